@@ -1,0 +1,95 @@
+"""Configuration as frozen dataclasses. Each field is also a CLI flag (``--field-name``) and an environment
+variable (``RADIXSERVE_FIELD_NAME``); the field's ``metadata["help"]`` is the flag's help text.
+
+Validation lives in ``__post_init__`` and raises ``ValueError`` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from runtime import envs
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+T = TypeVar("T")
+
+
+def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the in-process engine needs: model, memory, scheduling."""
+
+    model: str = _opt(DEFAULT_MODEL, "A local HF folder, a .gguf file, or the built-in name smollm2-135m-instruct.")
+    dtype: str = _opt("auto", "Weights and activations dtype.", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 derives it from free memory and --mem-fraction.")
+    mem_fraction: float = _opt(0.3, "Share of free memory given to the KV pool when --max-total-tokens is 0.")
+    chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one step (the prefill budget).")
+    max_running_requests: int = _opt(64, "Most requests in one batch.")
+    max_queued_requests: int = _opt(1024, "Most requests waiting for admission; beyond it new ones are refused.")
+    schedule_policy: str = _opt("lpm", "Order of admission: longest cached prefix first, or arrival.", ("lpm", "fcfs"))
+    disable_radix_cache: bool = _opt(False, "Turn off prefix caching (for A/B comparisons).")
+    max_context_len: int = _opt(0, "Longest prompt + output; 0 takes the model's max_position_embeddings.")
+    seed: int = _opt(0, "Seed of the engine's own random state (requests without a seed draw from it).")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_total_tokens < 0:
+            raise ValueError("--max-total-tokens must be >= 0 (0 sizes the pool from free memory)")
+        if not 0.0 < self.mem_fraction <= 0.95:
+            raise ValueError(f"--mem-fraction must be in (0, 0.95], got {self.mem_fraction}")
+        if self.chunked_prefill_size < 16:
+            raise ValueError(f"--chunked-prefill-size must be >= 16, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.max_context_len < 0:
+            raise ValueError("--max-context-len must be >= 0")
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(cls)
+    tp = hints[f.name]
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0]
+    return tp
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one ``--flag`` per field of the dataclass ``cls``; defaults honour ``RADIXSERVE_*`` variables."""
+    for f in dataclasses.fields(cls):
+        tp = _field_type(cls, f)
+        flag = "--" + f.name.replace("_", "-")
+        env_value = envs.get(f.name.upper())
+        help_text = f.metadata.get("help", "")
+        if tp is bool:
+            default = envs.get_bool(f.name.upper(), f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        default = tp(env_value) if env_value is not None else f.default
+        parser.add_argument(
+            flag, type=tp, default=default, choices=f.metadata.get("choices"), help=f"{help_text} (default: %(default)s)"
+        )
+
+
+def from_args(cls: type[T], ns: argparse.Namespace) -> T:
+    """Build ``cls`` from the parsed flags that ``add_arguments`` declared."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})

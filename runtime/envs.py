@@ -1,0 +1,46 @@
+"""Every environment variable radixserve reads, in one place, all with the ``RADIXSERVE_`` prefix.
+
+Command-line flags take precedence; an environment variable only changes a default. Each flag ``--foo-bar``
+of ``radixserve serve`` can also be set with ``RADIXSERVE_FOO_BAR``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PREFIX = "RADIXSERVE_"
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """The value of ``RADIXSERVE_<name>``, or ``default`` when unset or empty."""
+    value = os.environ.get(PREFIX + name)
+    return value if value else default
+
+
+def get_bool(name: str, default: bool = False) -> bool:
+    value = get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    """Where converted models and downloads are cached (``RADIXSERVE_CACHE_DIR``).
+
+    Defaults to ``$XDG_CACHE_HOME/radixserve`` or ``~/.cache/radixserve``.
+    """
+    explicit = get("CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "radixserve"
+
+
+def check_integrity() -> bool:
+    """``RADIXSERVE_CHECK_INTEGRITY=1`` runs the KV accounting and radix-tree checks after every step.
+
+    Slow; meant for tests and for debugging a suspected leak in production.
+    """
+    return get_bool("CHECK_INTEGRITY")

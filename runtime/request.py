@@ -1,0 +1,122 @@
+"""The request as the engine sees it, and the typed messages it produces.
+
+Phases are data, not states: a request has ``total`` tokens (prompt + generated so far) and ``num_computed`` of
+them have their KV in the pool. Whatever lies between is what the next prefill chunk (or decode step) computes,
+so a fresh prompt, a chunked prefill, a cache hit and a resumed retraction are one code path.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, a stop string, or a completed grammar
+    LENGTH = "length"  # max_new_tokens or the context length reached
+    ABORT = "abort"  # the client went away or asked to abort
+    ERROR = "error"  # this request failed; ``Req.error`` says why
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one token, with the ``top`` most likely alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Req:
+    """One sequence in the engine. Owned and mutated by the scheduler thread only.
+
+    Invariants:
+      * ``len(slots) == num_computed`` and ``slots[i]`` holds the KV of ``all_ids[i]``;
+      * ``slots[:prefix_len]`` belong to the radix tree (locked through ``prefix_handle``), the rest to this
+        request alone, until they are handed to the tree;
+      * ``num_computed <= total``; the request needs a forward pass over ``all_ids[num_computed:]``.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.num_computed = 0
+        self.slots: list[int] = []
+        # Tokens at the head of ``slots`` owned by the radix tree, and the lock that protects them.
+        self.prefix_len = 0
+        self.prefix_handle: Any = None
+        # Prompt tokens whose KV came from the cache at first admission (reported as cached_tokens).
+        self.cached_tokens: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: str | int | None = None
+        self.error: str | None = None
+        self.output_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.generator: Any = None  # torch.Generator, created by the sampler when a seed is given
+        self.num_retractions = 0
+        # Text state, owned by the detokenizer.
+        self.detok: Any = None
+        self.output_text = ""
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+        self.sent_logprob_len = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.admit_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return 0 <= self.params.logprob_start_len < len(self.prompt_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+            f"computed={self.num_computed}, finish={self.finish_reason})"
+        )
+
+
+@dataclass
+class ReqOutput:
+    """An incremental update for one request, sent from the engine thread to whoever waits on it.
+
+    ``text`` and ``token_ids`` are the part produced since the previous update; ``finished`` marks the last one.
+    """
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None

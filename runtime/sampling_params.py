@@ -1,0 +1,74 @@
+"""Per-request sampling parameters, validated once at admission."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how. ``validate`` raises ``ValueError`` with a message fit for an API client.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprob_start_len >= 0`` asks for the
+    log-probabilities of the prompt tokens from that position on (used to score choices).
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be between 0 and max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        for tid in list(self.stop_token_ids) + list(self.logit_bias):
+            if not 0 <= int(tid) < vocab_size:
+                raise ValueError(f"token id {tid} is out of range [0, {vocab_size})")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
