@@ -1,0 +1,71 @@
+"""The attention backend interface: how one forward pass's flat token batch maps onto sequences and KV slots.
+
+The model code calls ``ForwardContext.attend`` once per layer and knows nothing else about batching or memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class ExtendSeq:
+    """One sequence computing ``q_len`` new tokens (a prefill chunk), attending to ``kv_len`` tokens in all.
+
+    ``kv_slots`` lists the KV slot of every one of the ``kv_len`` tokens (cached prefix first, new tokens last);
+    it is ``None`` when nothing precedes the chunk (``kv_len == q_len``), so the backend can use the fresh K/V.
+    """
+
+    q_start: int
+    q_len: int
+    kv_len: int
+    kv_slots: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Layout of the ``T`` tokens of one forward pass.
+
+    Invariants: tokens ``[0, num_decode)`` are decode tokens, one per sequence, in the row order of
+    ``decode_slots``; tokens ``[num_decode, T)`` belong to ``extends`` in order, contiguous. ``out_slots[t]`` is
+    the slot where token ``t``'s K/V is written before attention runs, so every sequence sees its own new tokens.
+    """
+
+    out_slots: torch.Tensor  # [T] int64
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [Bd, Lmax] int64, padded with any valid slot
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True where a real token sits
+    extends: tuple[ExtendSeq, ...]
+
+
+class AttentionBackend(ABC):
+    """Stores this step's K/V into the pool and computes attention for every token of the batch."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [T, H, D], RoPE applied
+        k: torch.Tensor,  # [T, Hkv, D], RoPE applied
+        v: torch.Tensor,  # [T, Hkv, D]
+        meta: AttentionMetadata,
+        pool: KVPool,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """What a model's attention layers need for one forward pass; built by the model runner per step."""
+
+    meta: AttentionMetadata
+    pool: KVPool
+    backend: AttentionBackend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, self.meta, self.pool)

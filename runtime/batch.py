@@ -1,0 +1,54 @@
+"""Typed messages between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.request import Req, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute ``req.all_ids[start:end]`` this step; their KV slots are already in ``req.slots[start:end]``.
+
+    A chunk of one token after position 0 is a *decode* (batched attention over the slot table); anything else
+    is an *extend* (a prefill chunk, possibly after a cached prefix).
+    """
+
+    req: Req
+    start: int
+    end: int
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token from its last position
+
+    @property
+    def is_decode(self) -> bool:
+        return self.end - self.start == 1 and self.start > 0
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One forward pass. Invariant: decode chunks come first, then extends; no request appears twice."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+
+@dataclass
+class StepResult:
+    """What the model runner produced for a plan, indexed like ``plan.chunks``.
+
+    ``next_tokens[i]`` is ``None`` for chunks that did not sample; ``prompt_logprobs[i]`` holds the log-probs
+    of the prompt tokens this chunk scored (empty unless the request asked for them).
+    """
+
+    next_tokens: list[int | None]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)  # chunk index -> why that request failed

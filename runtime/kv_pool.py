@@ -1,0 +1,104 @@
+"""The preallocated KV memory and the allocator of its slots.
+
+A *slot* is the index of one token's keys and values in every layer. The pool's tensors are owned by the model
+runner (written only inside the forward pass); the free list is owned by the ``SlotAllocator``, which only the
+scheduler thread touches (through ``runtime.kv_cache.KVCacheManager``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("radixserve.kv")
+
+
+class KVPool:
+    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self._k.unbind(0))
+        self.v = list(self._v.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free list of slot ids ``[0, num_slots)``.
+
+    Invariant: a slot is either in the free list or owned by exactly one holder (a request or the radix tree).
+    Freeing a slot twice, or one that was never allocated, is a bug in the caller and raises ``RuntimeError``
+    when ``strict`` (tests and ``RADIXSERVE_CHECK_INTEGRITY``); otherwise the check is skipped for speed.
+    """
+
+    def __init__(self, num_slots: int, strict: bool = False) -> None:
+        self.num_slots = num_slots
+        # Popped from the end: the lowest slots are handed out first, which keeps gathers local.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._strict = strict
+        self._is_free = [True] * num_slots if strict else None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` slots, or ``None`` (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        if self._is_free is not None:
+            for s in out:
+                self._is_free[s] = False
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        if self._is_free is not None:
+            for s in slots:
+                if self._is_free[s]:
+                    raise RuntimeError(f"slot {s} freed twice")
+                self._is_free[s] = True
+        self._free.extend(slots)
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory that could still be allocated on ``device`` (free GPU memory, or the OS's MemAvailable)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))

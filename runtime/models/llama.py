@@ -1,0 +1,193 @@
+"""A Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, Qwen2, SmolLM.
+
+The forward pass takes a flat, unpadded batch of tokens from many sequences (prefill chunks and decode tokens
+mixed) with their positions; everything about batching and KV memory hides behind ``ForwardContext.attend``.
+Parameter names match HuggingFace checkpoints, so weights load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention.base import ForwardContext
+from runtime.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    architecture: str
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> ModelArgs:
+        archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        scaling = getattr(cfg, "rope_scaling", None) or rope or None
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        # HF Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
+        llama_bias = arch != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = arch == "Qwen2ForCausalLM" or llama_bias
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=llama_bias,
+            architecture=arch,
+        )
+
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 as the reference implementation does; matters for bf16 parity.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = ctx.attend(self.layer, q, k, v)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(args, layer, rope)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        rope = RotaryEmbedding(
+            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(DecoderLayer(args, i, rope) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits`` projects only the rows the
+    caller needs (the last token of each sampled sequence), which saves the vocabulary matmul on prompt tokens."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, dtype)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; raises ``ValueError`` naming any missing or unknown one."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.args.architecture}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            seen.add(name)
+        expected = set(params)
+        if self.args.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
