@@ -85,7 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         default = tp(env_value) if env_value is not None else f.default
         parser.add_argument(
-            flag, type=tp, default=default, choices=f.metadata.get("choices"), help=f"{help_text} (default: %(default)s)"
+            flag,
+            type=tp,
+            default=default,
+            choices=f.metadata.get("choices"),
+            help=f"{help_text} (default: %(default)s)",
         )
 
 

@@ -1,0 +1,354 @@
+"""The in-process engine: a thread that runs ``EngineCore.step`` in a loop, and a thread-safe, asyncio-friendly
+API around it.
+
+Ownership: callers own nothing but their output sink. Everything else (requests, KV, the radix tree) belongs to
+the engine thread; other threads talk to it only through the inbox queue, and it answers through the sinks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+
+from runtime.attention import TorchReferenceBackend
+from runtime.config import EngineConfig
+from runtime.engine_core import EngineCore
+from runtime.kv_pool import KVPool, available_memory_bytes
+from runtime.loader import load_model
+from runtime.model_runner import ModelRunner
+from runtime.request import FinishReason, Req, ReqOutput
+from runtime.sampler import Sampler
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("radixserve.engine")
+
+Sink = Callable[[ReqOutput], None]
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a fatal fault); no request can be served."""
+
+
+def _pool_size(config: EngineConfig, per_token: int, device: torch.device) -> int:
+    if config.max_total_tokens:
+        return config.max_total_tokens
+    return max(1, int(available_memory_bytes(device) * config.mem_fraction) // per_token)
+
+
+class Engine:
+    """``Engine(model=..., ...)`` loads the model and starts serving at once.
+
+    Thread-safe: ``submit``/``abort``/``generate`` may be called from any thread, ``stream`` from any event loop.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
+        self.config = config
+        loaded = load_model(config)
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        args = loaded.args
+        self.vocab_size = args.vocab_size
+        per_token = KVPool.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, loaded.dtype)
+        num_slots = _pool_size(config, per_token, loaded.device)
+        pool = KVPool(num_slots, args.num_layers, args.num_kv_heads, args.head_dim, loaded.dtype, loaded.device)
+        context = config.max_context_len or args.max_position_embeddings
+        self.max_context_len = min(context, args.max_position_embeddings)
+        logger.info(
+            "KV cache: %d tokens (%.1f MiB, %d KiB per token), context length %d, radix cache %s",
+            num_slots,
+            pool.nbytes / 2**20,
+            per_token // 1024,
+            self.max_context_len,
+            "off" if config.disable_radix_cache else "on",
+        )
+        sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
+        runner = ModelRunner(loaded.model, pool, TorchReferenceBackend(), sampler, loaded.device)
+        self.core = EngineCore(
+            config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self._last_log = time.monotonic()
+        self._last_generated = 0
+        self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- public API ---------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, rid: str | None = None) -> str:
+        """Queue one request; ``sink`` receives its ``ReqOutput`` messages on the engine thread (keep it cheap).
+
+        Raises ``ValueError`` for a request that can never be served and ``EngineOverloadedError`` when the
+        queue is full.
+        """
+        if not self.alive:
+            raise EngineDeadError(self.error or "the engine has shut down")
+        prompt = [int(t) for t in prompt_ids]
+        self.core.validate(prompt, params)
+        with self._count_lock:
+            if self._unfinished >= self.config.max_queued_requests + self.config.max_running_requests:
+                raise EngineOverloadedError(
+                    f"{self._unfinished} requests are already queued or running; retry later"
+                )
+            self._unfinished += 1
+        rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._inbox.put(("add", Req(rid, prompt, params), sink))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid, None))
+
+    def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn(core)`` on the engine thread between two steps and return its result."""
+        if not self.alive:
+            raise EngineDeadError(self.error or "the engine has shut down")
+        fut: Future[Any] = Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingParams | dict[str, Any] | list[Any] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Blocking generation for one prompt or a batch (text or token ids). Returns ``{"text", "output_ids",
+        "meta_info"}`` per prompt."""
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        elif input_ids is not None:
+            ids_list = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
+        else:
+            raise ValueError("give prompt or input_ids")
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(ids_list):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(ids_list)} prompts")
+            param_list = [_as_params(p) for p in sampling_params]
+        else:
+            param_list = [_as_params(sampling_params) for _ in ids_list]
+        done: list[Future[dict[str, Any]]] = []
+        for ids, params in zip(ids_list, param_list):
+            fut: Future[dict[str, Any]] = Future()
+            self.submit(ids, params, _Collector(fut))  # type: ignore[arg-type]
+            done.append(fut)
+        results = [f.result() for f in done]
+        return results[0] if single else results
+
+    async def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
+    ) -> AsyncIterator[ReqOutput]:
+        """Yield the request's incremental outputs; closing the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        outq: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        rid = self.submit(prompt_ids, params, lambda out: loop.call_soon_threadsafe(outq.put_nowait, out), rid)
+        finished = False
+        try:
+            while True:
+                out = await outq.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def server_info(self) -> dict[str, Any]:
+        def collect(core: EngineCore) -> dict[str, Any]:
+            return {
+                "model": self.model_name,
+                "num_running_requests": len(core.scheduler.running),
+                "num_waiting_requests": len(core.scheduler.waiting),
+                "kv_cache": core.kv_usage(),
+                "cache_stats": {**core.stats.as_dict(), "evicted_tokens": core.cache.evicted_tokens},
+                "max_context_len": self.max_context_len,
+                "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "config": asdict(self.config),
+            }
+
+        return self.call(collect)
+
+    def flush_cache(self) -> bool:
+        return self.call(lambda core: core.flush_cache())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    # --- engine thread ------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.core.has_work())
+                if self._stop.is_set():
+                    break
+                self._dispatch(self.core.step())
+                self._maybe_log()
+        except Exception as exc:  # noqa: BLE001 - the loop must report why it died
+            logger.exception("engine loop died")
+            self.error = f"engine loop died: {type(exc).__name__}: {exc}"
+        reason = FinishReason.ERROR if self.error else FinishReason.ABORT
+        for req in self.core.scheduler.fail_all(reason, self.error):
+            sink = self._sinks.pop(req.rid, None)
+            if sink is not None:
+                sink(self.core._delta(req) or _final(req))
+        self._fail_inbox()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, a, b = item
+            if kind == "add":
+                self._sinks[a.rid] = b
+                try:
+                    self.core.add(a)
+                except ValueError as exc:
+                    a.finish_reason, a.error = FinishReason.ERROR, str(exc)
+                    self._dispatch([_final(a)])
+            elif kind == "abort":
+                out = self.core.abort(a)
+                if out is not None:
+                    self._dispatch([out])
+            elif kind == "call":
+                try:
+                    b.set_result(a(self.core))
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    b.set_exception(exc)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, outputs: list[ReqOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.rid)
+            if out.finished:
+                self._sinks.pop(out.rid, None)
+                with self._count_lock:
+                    self._unfinished -= 1
+            if sink is not None:
+                try:
+                    sink(out)
+                except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+                    logger.exception("output sink of %s failed", out.rid)
+
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                kind, a, b = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                a.finish_reason, a.error = FinishReason.ERROR, self.error or "the engine has shut down"
+                b(_final(a))
+            elif kind == "call":
+                b.set_exception(EngineDeadError(self.error or "the engine has shut down"))
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < STATS_LOG_INTERVAL_S:
+            return
+        core = self.core
+        gen = core.stats.generated_tokens
+        kv = core.kv_usage()
+        if core.has_work() or gen != self._last_generated:
+            logger.info(
+                "running %d, waiting %d, KV used %.1f%% (cached %d), cache hit rate %.1f%%, gen %.1f tok/s",
+                len(core.scheduler.running),
+                len(core.scheduler.waiting),
+                100.0 * kv["in_use_tokens"] / kv["total_tokens"],
+                kv["cached_tokens"],
+                100.0 * core.stats.cache_hit_rate,
+                (gen - self._last_generated) / (now - self._last_log),
+            )
+        self._last_log = now
+        self._last_generated = gen
+
+
+def _as_params(p: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """A fresh ``SamplingParams`` per request: requests never share mutable parameter objects."""
+    if isinstance(p, SamplingParams):
+        return replace(p)
+    return SamplingParams(**(p or {}))
+
+
+def _final(req: Req) -> ReqOutput:
+    return ReqOutput(
+        rid=req.rid,
+        text="",
+        token_ids=[],
+        logprobs=[],
+        finished=True,
+        finish_reason=req.finish_reason,
+        error=req.error,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+    )
+
+
+class _Collector:
+    """Accumulates a request's outputs into the dict that ``Engine.generate`` returns."""
+
+    def __init__(self, fut: Future[dict[str, Any]]) -> None:
+        self.fut = fut
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[Any] = []
+
+    def __call__(self, out: ReqOutput) -> None:
+        self.text.append(out.text)
+        self.ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.fut.set_result(
+                {
+                    "text": "".join(self.text),
+                    "output_ids": self.ids,
+                    "meta_info": {
+                        "id": out.rid,
+                        "prompt_tokens": out.prompt_tokens,
+                        "completion_tokens": out.completion_tokens,
+                        "cached_tokens": out.cached_tokens,
+                        "finish_reason": out.finish_reason.value if out.finish_reason else None,
+                        "matched_stop": out.matched_stop,
+                        "error": out.error,
+                        "output_token_logprobs": self.logprobs,
+                        "input_token_logprobs": out.prompt_logprobs,
+                    },
+                }
+            )

@@ -1,0 +1,235 @@
+"""The engine core: one synchronous ``step()`` = schedule, run the model, apply results.
+
+Single-threaded by design: the ``Engine`` wraps it in a thread, tests drive it directly. It owns the scheduler
+(and through it the KV cache manager) and the model runner; requests enter with ``add`` and leave as
+``ReqOutput`` messages returned from ``step``/``abort``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from runtime import envs
+from runtime.batch import BatchPlan, StepResult
+from runtime.config import EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer, StopChecker
+from runtime.kv_cache import KVCacheManager
+from runtime.model_runner import ModelRunner
+from runtime.request import FinishReason, Req, ReqOutput
+from runtime.scheduler import Scheduler
+from runtime.stats import EngineStats
+
+logger = logging.getLogger("radixserve.engine")
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer,
+        eos_token_ids: set[int],
+        vocab_size: int,
+        max_context_len: int,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_context_len = max_context_len
+        self.check_integrity = envs.check_integrity()
+        self.cache = KVCacheManager(
+            runner.pool.num_slots, enable_radix=not config.disable_radix_cache, strict=self.check_integrity
+        )
+        self.scheduler = Scheduler(config, self.cache)
+        self.stats = EngineStats()
+        self._by_rid: dict[str, Req] = {}
+
+    # --- admission ----------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params) -> None:
+        """Raise ``ValueError`` if the request can never be served; cheap, safe to call from any thread."""
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_context_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the context length is {self.max_context_len}; "
+                "shorten the prompt"
+            )
+        need = min(len(prompt_ids) + params.max_new_tokens, self.max_context_len)
+        if need > self.cache.num_slots:
+            raise ValueError(
+                f"this request needs up to {need} tokens of KV cache (prompt {len(prompt_ids)} + max_new_tokens "
+                f"{params.max_new_tokens}) but the pool holds {self.cache.num_slots}; lower max_tokens or start "
+                "the server with a larger --max-total-tokens"
+            )
+
+    def add(self, req: Req) -> None:
+        self.validate(req.prompt_ids, req.params)
+        if req.rid in self._by_rid:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
+        self._by_rid[req.rid] = req
+        self.scheduler.add(req)
+
+    def abort(self, rid: str) -> ReqOutput | None:
+        req = self._by_rid.get(rid)
+        if req is None or req.finished:
+            return None
+        req.finish_reason = FinishReason.ABORT
+        self.stats.requests_aborted += 1
+        return self._finish(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        try:
+            result = self.runner.run(plan)
+        except Exception as exc:  # noqa: BLE001 - a model fault fails this batch, not the engine
+            logger.exception("model step failed; failing the %d requests of the batch", len(plan.chunks))
+            return self._fail_batch(plan, f"model step failed: {type(exc).__name__}: {exc}")
+        self.stats.forward_steps += 1
+        outputs = self._apply(plan, result)
+        if self.check_integrity:
+            self.cache.check(self.scheduler.holders())
+        return outputs
+
+    def _apply(self, plan: BatchPlan, result: StepResult) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        now = time.monotonic()
+        for i, chunk in enumerate(plan.chunks):
+            req = chunk.req
+            if req.finished:  # aborted while the step ran
+                continue
+            if req.admit_time is None:
+                req.admit_time = now
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.cached_prompt_tokens += req.cached_tokens or 0
+            req.num_computed = chunk.end
+            if result.prompt_logprobs and result.prompt_logprobs[i]:
+                req.prompt_logprobs.extend(result.prompt_logprobs[i])
+            if i in result.errors:
+                req.finish_reason, req.error = FinishReason.ERROR, result.errors[i]
+                outputs.append(self._finish(req))
+                continue
+            token = result.next_tokens[i]
+            if token is None:
+                if chunk.sample:  # max_new_tokens == 0: the prompt alone was asked for
+                    req.finish_reason = FinishReason.LENGTH
+                    outputs.append(self._finish(req))
+                elif not chunk.is_decode:
+                    self.cache.cache_prefix(req)
+                continue
+            if not chunk.is_decode:
+                self.cache.cache_prefix(req)
+            self._append_token(req, token, result.logprobs[i], now)
+            if req.finished:
+                outputs.append(self._finish(req))
+            else:
+                out = self._delta(req)
+                if out is not None:
+                    outputs.append(out)
+        self.stats.retractions = self.scheduler.num_retractions
+        return outputs
+
+    def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        params = req.params
+        n_out = len(req.output_ids)
+        prev_len = len(req.detok.text)
+        req.detok.add([token])
+        req.output_text = req.detok.text
+        if n_out >= params.min_new_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+            return
+        if params.stop and n_out >= params.min_new_tokens:
+            hit = StopChecker(params.stop).check(req.output_text, prev_len)
+            if hit is not None:
+                cut, stop = hit
+                req.output_text = req.output_text[:cut]
+                req.finish_reason, req.matched_stop = FinishReason.STOP, stop
+                return
+        if n_out >= params.max_new_tokens or req.total >= self.max_context_len:
+            req.finish_reason = FinishReason.LENGTH
+
+    def _delta(self, req: Req) -> ReqOutput | None:
+        """The part of the output not sent yet; text that may still turn out to start a stop string is held."""
+        text_end = len(req.output_text)
+        if not req.finished and req.params.stop:
+            text_end -= StopChecker(req.params.stop).hold_back(req.output_text)
+        text_end = max(text_end, req.sent_text_len)
+        new_tokens = req.output_ids[req.sent_token_len :]
+        if not new_tokens and text_end == req.sent_text_len and not req.finished:
+            return None
+        out = ReqOutput(
+            rid=req.rid,
+            text=req.output_text[req.sent_text_len : text_end],
+            token_ids=new_tokens,
+            logprobs=req.output_logprobs[req.sent_logprob_len :],
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            error=req.error,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens or 0,
+            prompt_logprobs=req.prompt_logprobs if req.finished and req.wants_prompt_logprobs else None,
+        )
+        req.sent_text_len = text_end
+        req.sent_token_len = len(req.output_ids)
+        req.sent_logprob_len = len(req.output_logprobs)
+        return out
+
+    def _finish(self, req: Req) -> ReqOutput:
+        req.finish_time = time.monotonic()
+        self.scheduler.remove(req)
+        self._by_rid.pop(req.rid, None)
+        if req.finish_reason != FinishReason.ABORT:
+            self.stats.requests_finished += 1
+        out = self._delta(req)
+        assert out is not None  # a finished request always yields its final message
+        return out
+
+    def _fail_batch(self, plan: BatchPlan, error: str) -> list[ReqOutput]:
+        outputs = []
+        for chunk in plan.chunks:
+            req = chunk.req
+            if req.finished:
+                continue
+            # The step's KV was never written; give back only what was computed before it.
+            req.num_computed = chunk.start
+            req.finish_reason, req.error = FinishReason.ERROR, error
+            outputs.append(self._finish(req))
+        return outputs
+
+    def flush_cache(self) -> bool:
+        return self.cache.flush()
+
+    def kv_usage(self) -> dict[str, int]:
+        total = self.cache.num_slots
+        free = self.cache.num_free
+        evictable = self.cache.evictable
+        return {
+            "total_tokens": total,
+            "free_tokens": free,
+            "evictable_tokens": evictable,
+            "cached_tokens": self.cache.cached,
+            "in_use_tokens": total - free - evictable,
+        }

@@ -1,0 +1,132 @@
+"""The model runner: turns a ``BatchPlan`` into tensors, runs one forward pass, and samples.
+
+It owns the model weights and the KV pool tensors; it never decides what runs (that is the scheduler's job) and
+never touches the slot allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext
+from runtime.batch import BatchPlan, StepResult
+from runtime.kv_pool import KVPool
+from runtime.models.llama import LlamaForCausalLM
+from runtime.request import TokenLogprob
+from runtime.sampler import Sampler, token_logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        backend: AttentionBackend,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.sampler = sampler
+        self.device = device
+
+    def _tensor(self, data: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    def build_metadata(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        extends: list[ExtendSeq] = []
+        for chunk in plan.chunks:
+            req, s, e = chunk.req, chunk.start, chunk.end
+            input_ids.extend(req.all_ids[s:e])
+            positions.extend(range(s, e))
+            out_slots.extend(req.slots[s:e])
+            if chunk.is_decode:
+                decode_tables.append(req.slots[:e])
+            else:
+                kv = self._tensor(req.slots[:e]) if s > 0 else None
+                extends.append(ExtendSeq(q_start=len(input_ids) - (e - s), q_len=e - s, kv_len=e, kv_slots=kv))
+        decode_slots = decode_mask = None
+        if decode_tables:
+            lens = [len(t) for t in decode_tables]
+            width = max(lens)
+            pad = decode_tables[0][0]
+            decode_slots = self._tensor([t + [pad] * (width - len(t)) for t in decode_tables])
+            lens_t = self._tensor(lens)
+            decode_mask = (torch.arange(width, device=self.device)[None, :] < lens_t[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            out_slots=self._tensor(out_slots),
+            num_decode=len(decode_tables),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            extends=tuple(extends),
+        )
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    @torch.inference_mode()
+    def run(self, plan: BatchPlan, allowed: torch.Tensor | None = None) -> StepResult:
+        """One forward pass over the plan; samples for every chunk with ``sample`` set.
+
+        ``allowed`` (optional ``[num_sampled, vocab]`` bool) restricts the sampled rows, in plan order.
+        """
+        input_ids, positions, meta = self.build_metadata(plan)
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
+
+        n = len(plan.chunks)
+        next_tokens: list[int | None] = [None] * n
+        logprobs: list[TokenLogprob | None] = [None] * n
+        prompt_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        errors: dict[int, str] = {}
+
+        sample_idx: list[int] = []
+        sample_rows: list[int] = []
+        offset = 0
+        for i, chunk in enumerate(plan.chunks):
+            length = chunk.end - chunk.start
+            if chunk.sample and chunk.req.params.max_new_tokens > len(chunk.req.output_ids):
+                sample_idx.append(i)
+                sample_rows.append(offset + length - 1)
+            if chunk.req.wants_prompt_logprobs:
+                prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
+            offset += length
+
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
+            reqs = [plan.chunks[i].req for i in sample_idx]
+            try:
+                out = self.sampler.sample(logits, reqs, allowed)
+            except ValueError:
+                # One request's constraints left nothing to sample; sample the rest one by one so only it fails.
+                out = None
+            if out is not None:
+                for j, i in enumerate(sample_idx):
+                    next_tokens[i] = out.token_ids[j]
+                    logprobs[i] = out.logprobs[j]
+            else:
+                for j, i in enumerate(sample_idx):
+                    try:
+                        row_allowed = allowed[j : j + 1] if allowed is not None else None
+                        single = self.sampler.sample(logits[j : j + 1], [reqs[j]], row_allowed)
+                        next_tokens[i] = single.token_ids[0]
+                        logprobs[i] = single.logprobs[0]
+                    except ValueError as exc:
+                        errors[i] = str(exc)
+        return StepResult(next_tokens, logprobs, prompt_lps, errors)
+
+    def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
+        """Log-probs of the prompt tokens predicted inside this chunk: position p predicts token p + 1."""
+        req = chunk.req
+        first = max(1, req.params.logprob_start_len)
+        prompt_len = len(req.prompt_ids)
+        lo = max(chunk.start, first - 1)
+        hi = min(chunk.end, prompt_len - 1)
+        if lo >= hi:
+            return []
+        rows = hidden[lo - chunk.start : hi - chunk.start]
+        logits = self.model.compute_logits(rows).float()
+        targets = self._tensor(req.prompt_ids[lo + 1 : hi + 1])
+        return token_logprobs(logits, targets, req.params.top_logprobs_num)

@@ -1,0 +1,306 @@
+"""Batched next-token sampling: grammar mask, logit bias, penalties, then greedy or seeded sampling.
+
+One call handles a whole decode batch, vectorized over it. The only per-row Python step is drawing one uniform
+number from each sampled request's own ``torch.Generator``; the token is then found for all rows at once by
+inverse-CDF search. So a seeded request produces the same tokens whatever else shares its batch and whichever
+row it occupies, and since the generators live on the CPU, on whichever device the logits are.
+
+Order of operations for a row (each step is skipped for the whole batch when no row needs it):
+  1. grammar mask (disallowed tokens become -inf);
+  2. logit_bias (added), repetition_penalty (HF: over prompt + output), frequency/presence penalties
+     (OpenAI: over output only), and the min_new_tokens mask on EOS / stop_token_ids;
+  3. logprobs are taken here, before temperature, as OpenAI and vLLM report them;
+  4. greedy rows take the argmax; sampled rows get temperature, top_k, top_p, min_p, then one draw.
+top_k and top_p are thresholds on the logit value, so tokens tied with the last kept one are kept too: the
+kept set then depends only on the row's values, never on how a sort orders ties.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtime.request import Req, TokenLogprob
+from runtime.sampling_params import SamplingParams
+
+# Rows per chunk in ``token_logprobs``, sized so a float32 copy of one chunk stays near 256 MiB.
+_LOGPROB_CHUNK_ELEMS = 1 << 26
+# top_k / top_p first look at this many best candidates; rows whose cut lies further down get a full sort.
+TOP_WINDOW = 256
+_NEG_INF = float("-inf")
+
+
+class NoAllowedTokenError(ValueError):
+    """The grammar allows no token at all in some rows; ``rids`` names them so the engine fails only those."""
+
+    def __init__(self, rids: list[str]) -> None:
+        super().__init__(f"no token is allowed by the grammar for request(s) {', '.join(map(repr, rids))}")
+        self.rids = rids
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # per row; None unless req.params.return_logprob
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[TokenLogprob]:
+    """``log_softmax(logits)[i, targets[i]]`` and the ``top_n`` best alternatives per row, sorted descending.
+
+    Batched over rows; long inputs (prompt logprobs) are processed in row chunks so the float32 working copy
+    stays bounded. ``logits`` is [N, V] of any float dtype, ``targets`` is [N] of token ids. Alternatives at
+    -inf (masked tokens) are left out: they say nothing and are not valid JSON numbers.
+    """
+    n, v = logits.shape
+    targets = targets.to(device=logits.device, dtype=torch.long)
+    chunk = max(1, _LOGPROB_CHUNK_ELEMS // max(v, 1))
+    out: list[TokenLogprob] = []
+    for start in range(0, n, chunk):
+        x = logits[start : start + chunk].float()
+        tgt = targets[start : start + chunk]
+        # logits - logsumexp equals log_softmax without materializing another [N, V] tensor.
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        chosen = (x.gather(1, tgt[:, None]) - lse).squeeze(1).tolist()
+        if top_n <= 0:
+            out.extend(TokenLogprob(t, lp) for t, lp in zip(tgt.tolist(), chosen, strict=True))
+            continue
+        top_vals, top_ids = x.topk(min(top_n, v), dim=-1)
+        rows = zip(tgt.tolist(), chosen, (top_vals - lse).tolist(), top_ids.tolist(), strict=True)
+        for t, lp, vals, ids in rows:
+            top = [(i, val) for i, val in zip(ids, vals, strict=True) if val != _NEG_INF]
+            out.append(TokenLogprob(t, lp, top))
+    return out
+
+
+def _flat_positions(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``row * V + id`` for every id of every row, as one tensor (ids outside the vocabulary are dropped)."""
+    lengths = [len(ids) for ids in id_lists]
+    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), torch.tensor(lengths, device=device))
+    valid = (ids >= 0) & (ids < vocab_size)
+    return (rows * vocab_size + ids)[valid]
+
+
+def _top_k_top_p_cut(
+    vals: torch.Tensor, k: torch.Tensor, p: torch.Tensor, lse_row: torch.Tensor, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lowest kept logit per row, from the best ``vals`` [R, W] (sorted descending) of each row.
+
+    ``k`` is top_k (``vocab_size`` when off), ``p`` top_p, ``lse_row`` the logsumexp of the whole row. Returns
+    (threshold, complete): ``complete`` is False where the cut may lie beyond the W candidates seen.
+    """
+    w = vals.shape[-1]
+    k_fits = k <= w
+    kth = vals.gather(1, (k.clamp(max=w) - 1)[:, None]).squeeze(1)
+    keep = vals >= torch.where(k_fits, kth, _NEG_INF)[:, None]
+    # top_p runs on the top_k-renormalized distribution (as HF chains them), else on the whole row.
+    lse = torch.where(k_fits, torch.logsumexp(vals.masked_fill(~keep, _NEG_INF), dim=-1), lse_row)
+    probs = torch.exp(vals - lse[:, None]).masked_fill(~keep, 0.0)
+    cum = torch.cumsum(probs, dim=-1)
+    # The best token has nothing above it, so at least one token always survives.
+    keep &= ((cum - probs) <= p[:, None]) | (p >= 1.0)[:, None]
+    threshold = vals.gather(1, (keep.sum(dim=-1) - 1)[:, None]).squeeze(1)
+    # Everything past the window is dropped when top_k fits in it, or when its mass already exceeds top_p.
+    complete = k_fits | ((k >= vocab_size) & (cum[:, -1] > p))
+    return threshold, complete
+
+
+def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top_k, top_p and min_p on float32 logits [S, V] of sampled rows; returns new logits.
+
+    Rows whose knob is off are left bit-exact, and each row's path depends only on its own values, so a row
+    behaves the same alone or next to rows that do use top_k/top_p.
+    """
+    dev, v = xs.device, xs.shape[-1]
+    if any(p.temperature != 1.0 for p in params):
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        xs = xs / temp[:, None]
+    else:
+        xs = xs.clone()  # the cuts below write into it
+    cut_rows = [j for j, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]
+    if cut_rows:
+        idx = torch.tensor(cut_rows, device=dev)
+        sub = xs[idx]
+        k = torch.tensor([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], device=dev)
+        p = torch.tensor([params[j].top_p for j in cut_rows], dtype=torch.float32, device=dev)
+        lse_row = torch.logsumexp(sub, dim=-1)
+        vals = sub.topk(min(TOP_WINDOW, v), dim=-1).values
+        threshold, complete = _top_k_top_p_cut(vals, k, p, lse_row, v)
+        redo = (~complete).nonzero().flatten()
+        if redo.numel():
+            full = sub[redo].sort(dim=-1, descending=True).values
+            threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
+        xs[idx] = sub.masked_fill(sub < threshold[:, None], _NEG_INF)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.
+        threshold = xs.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        xs = xs.masked_fill(xs < threshold, _NEG_INF)
+    return xs
+
+
+def _draw(xs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits ``xs`` [S, V] by inverse CDF at ``uniforms`` [S] in [0, 1).
+
+    The CDF is accumulated in float64 so rounding cannot move mass between tokens; tokens of zero weight are
+    flat steps of the CDF and can never be hit.
+    """
+    cdf = torch.cumsum(torch.softmax(xs, dim=-1), dim=-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    # Stay strictly below the total so the search always lands on a token of non-zero weight.
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+
+
+class Sampler:
+    """Turns a batch of logits into one token per request.
+
+    Invariants:
+      * a sampled row consumes exactly one uniform from ``req.generator`` per step and nothing else; the
+        generator is a CPU generator seeded with ``params.seed``, or for unseeded requests from this sampler's
+        own RNG, at first use. So a seeded request's tokens depend on neither batch nor row position;
+      * greedy rows never touch a generator;
+      * no NaN is ever sampled: rows the grammar fully masks raise ``NoAllowedTokenError`` (a ``ValueError``).
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted({int(t) for t in eos_token_ids if 0 <= int(t) < vocab_size})
+        self.device = torch.device(device)
+        self._rng = torch.Generator(device="cpu")
+        self._rng.manual_seed(seed)
+
+    def _uniform(self, req: Req) -> float:
+        gen = req.generator
+        if gen is None:
+            seed = req.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed)
+            req.generator = gen
+        return float(torch.rand((), dtype=torch.float64, generator=gen))
+
+    def _apply_penalties(self, x: torch.Tensor, reqs: Sequence[Req]) -> None:
+        """In place on contiguous float32 ``x`` [B, V]: logit_bias, repetition, frequency, presence.
+
+        Only the (row, token) pairs that occur are touched: the cost follows the number of tokens, not B * V.
+        """
+        dev, v = x.device, self.vocab_size
+        params = [r.params for r in reqs]
+        flat = x.view(-1)
+        if any(p.logit_bias for p in params):
+            pos, vals = [], []
+            for i, p in enumerate(params):
+                for tid, bias in p.logit_bias.items():
+                    if 0 <= int(tid) < v:
+                        pos.append(i * v + int(tid))
+                        vals.append(float(bias))
+            if pos:
+                flat.index_add_(0, torch.tensor(pos, device=dev), torch.tensor(vals, device=dev))
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            lists = [r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else () for r in reqs]
+            pos = torch.unique(_flat_positions(lists, v, dev))
+            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[pos // v]
+            seen = flat[pos]
+            # HF semantics: a seen token's positive logit is divided by the penalty, a negative one multiplied
+            flat[pos] = torch.where(seen > 0, seen / rep, seen * rep)
+
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            lists = [
+                r.output_ids if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0 else ()
+                for r in reqs
+            ]
+            pos, counts = torch.unique(_flat_positions(lists, v, dev), return_counts=True)
+            row = pos // v
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[row]
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[row]
+            flat.index_add_(0, pos, -(freq * counts + pres))
+
+    def _apply_min_new_tokens(self, x: torch.Tensor, reqs: Sequence[Req], masked: bool) -> None:
+        """Mask EOS / stop ids of rows below ``min_new_tokens``.
+
+        With a grammar mask (``masked``), a row that allows nothing but those ids keeps them: the grammar is a
+        hard constraint, min_new_tokens a soft one, and failing the request would help no one.
+        """
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if len(r.output_ids) >= p.min_new_tokens:
+                continue
+            ids = {int(t) for t in p.stop_token_ids if 0 <= int(t) < self.vocab_size}
+            if not p.ignore_eos:  # with ignore_eos EOS never stops the request: nothing to hold off
+                ids.update(self.eos_token_ids)
+            rows.extend([i] * len(ids))
+            cols.extend(sorted(ids))
+        if not rows:
+            return
+        r_t, c_t = torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)
+        saved = x[r_t, c_t]
+        x[r_t, c_t] = _NEG_INF
+        if masked:
+            dead = torch.isneginf(x.amax(dim=-1))  # rows left with nothing
+            x[r_t, c_t] = torch.where(dead[r_t], saved, x[r_t, c_t])
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Req], allowed: torch.Tensor | None = None) -> SampleOutput:
+        """Pick one token per row of ``logits`` [B, V'] (V' >= vocab_size; padding columns are never picked).
+
+        ``allowed`` is an optional [B, V'] bool grammar mask. Raises ``NoAllowedTokenError`` (a ValueError)
+        naming the requests whose rows it masks completely.
+        """
+        b, v = len(reqs), self.vocab_size
+        if logits.dim() != 2 or logits.shape[0] != b or logits.shape[1] < v:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match {b} requests")
+        x = logits[:, :v]
+        if allowed is not None:
+            allowed = allowed[:, :v].to(device=x.device, dtype=torch.bool)
+            empty = (~allowed.any(dim=-1)).nonzero().flatten().tolist()
+            if empty:
+                raise NoAllowedTokenError([reqs[i].rid for i in empty])
+
+        params = [r.params for r in reqs]
+        needs_edit = any(
+            p.logit_bias
+            or p.repetition_penalty != 1.0
+            or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0
+            or len(r.output_ids) < p.min_new_tokens
+            for r, p in zip(reqs, params, strict=True)
+        )
+        want_lp = [p.return_logprob for p in params]
+        greedy = [p.greedy for p in params]
+
+        if all(greedy) and not needs_edit and not any(want_lp):
+            # Fast path: a cast to float32 is monotone, so the argmax needs no float32 copy.
+            if allowed is not None:
+                x = x.masked_fill(~allowed, _NEG_INF)
+            return SampleOutput(x.argmax(dim=-1).tolist(), [None] * b)
+
+        x = x.to(torch.float32, copy=True).contiguous()
+        if allowed is not None:
+            x.masked_fill_(~allowed, _NEG_INF)
+        if needs_edit:
+            self._apply_penalties(x, reqs)
+            self._apply_min_new_tokens(x, reqs, masked=allowed is not None)
+
+        tokens = x.argmax(dim=-1) if any(greedy) else torch.zeros(b, dtype=torch.long, device=x.device)
+        sampled = [i for i in range(b) if not greedy[i]]
+        if sampled:
+            idx = torch.tensor(sampled, device=x.device)
+            uniforms = torch.tensor([self._uniform(reqs[i]) for i in sampled], dtype=torch.float64)
+            xs = _filter(x if len(sampled) == b else x[idx], [params[i] for i in sampled])
+            tokens[idx] = _draw(xs, uniforms.to(x.device))
+
+        logprobs: list[TokenLogprob | None] = [None] * b
+        lp_rows = [i for i in range(b) if want_lp[i]]
+        if lp_rows:
+            idx = torch.tensor(lp_rows, device=x.device)
+            top_n = max(params[i].top_logprobs_num for i in lp_rows)
+            for i, entry in zip(lp_rows, token_logprobs(x[idx], tokens[idx], top_n), strict=True):
+                entry.top = entry.top[: params[i].top_logprobs_num]
+                logprobs[i] = entry
+        return SampleOutput(tokens.tolist(), logprobs)

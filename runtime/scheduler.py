@@ -1,0 +1,194 @@
+"""Continuous batching with chunked prefill, cache-aware admission and retraction.
+
+The scheduler owns the waiting queue, the running set and every request's slot list; it hands the model runner
+one ``BatchPlan`` per step. One step is: make room for every decode (evict, then retract the requests with the
+least progress), continue partial prefills, then admit waiting requests while the prefill token budget, the
+batch size cap and the KV reservation allow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from runtime.batch import BatchPlan, ScheduledChunk
+from runtime.config import EngineConfig
+from runtime.kv_cache import KVCacheManager
+from runtime.request import FinishReason, Req
+
+logger = logging.getLogger("radixserve.scheduler")
+
+# Share of a running request's remaining max_new_tokens that admission keeps in reserve. It starts cautious,
+# relaxes while no retraction happens, and tightens again on each retraction (requests often stop early, so
+# reserving all of max_new_tokens would leave the pool half empty).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.15
+NEW_TOKEN_RATIO_DECAY = 0.002
+# A waiting request that shares this many not-yet-cached tokens with one admitted in the same step waits a step,
+# so the shared part is computed once and then hit in the cache.
+IN_BATCH_PREFIX_DEFER = 32
+# Beyond this many waiting requests, longest-prefix ordering costs more than it saves.
+LPM_MAX_QUEUE = 256
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: KVCacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+
+    # --- queue --------------------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Take a finished or aborted request out and give back its KV."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def holders(self) -> Iterable[Req]:
+        """Requests that may hold KV (for the accounting check)."""
+        return list(self.running) + list(self.waiting)
+
+    # --- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> BatchPlan | None:
+        decodes = self._schedule_decodes()
+        budget = self.config.chunked_prefill_size
+        extends: list[ScheduledChunk] = []
+        for req in self.running:
+            if not self._is_decoding(req):
+                if budget <= 0:
+                    break
+                chunk = self._extend_chunk(req, budget)
+                if chunk is None:
+                    break
+                budget -= chunk.end - chunk.start
+                extends.append(chunk)
+        if budget > 0:
+            extends.extend(self._admit(budget, extends))
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if not decodes and not extends:
+            return None
+        return BatchPlan(tuple(decodes + extends))
+
+    def _is_decoding(self, req: Req) -> bool:
+        return req.num_computed > 0 and req.total - req.num_computed == 1
+
+    def _schedule_decodes(self) -> list[ScheduledChunk]:
+        while True:
+            decoding = [r for r in self.running if self._is_decoding(r)]
+            if not decoding:
+                return []
+            slots = self.cache.alloc(len(decoding))
+            if slots is not None:
+                break
+            if not self._retract_one():
+                raise RuntimeError("KV pool exhausted with nothing left to retract")
+        chunks = []
+        for req, slot in zip(decoding, slots):
+            req.slots.append(slot)
+            chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True))
+        return chunks
+
+    def _retract_one(self) -> bool:
+        """Send the running request with the least progress back to the queue, its KV cached for the resume."""
+        # A lone request always fits (the engine refuses anything larger than the pool), so retracting it
+        # could only loop; running out with one request left means the accounting is broken.
+        if len(self.running) <= 1:
+            return False
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival_time))
+        self.running.remove(victim)
+        self.cache.release(victim)
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+        logger.info("retracted %s (%d tokens generated) to free KV", victim.rid, len(victim.output_ids))
+        return True
+
+    def _extend_chunk(self, req: Req, budget: int) -> ScheduledChunk | None:
+        n = min(req.total - req.num_computed, budget)
+        slots = self.cache.alloc(n)
+        if slots is None:
+            return None
+        start = req.num_computed
+        req.slots.extend(slots)
+        return ScheduledChunk(req, start, start + n, sample=start + n == req.total)
+
+    def _reserved(self) -> float:
+        """KV that running requests are expected to still need."""
+        total = 0.0
+        for r in self.running:
+            total += r.total - r.num_computed
+            total += max(0, r.params.max_new_tokens - len(r.output_ids)) * self.new_token_ratio
+        return total
+
+    def _ordered_waiting(self) -> list[Req]:
+        waiting = list(self.waiting)
+        if self.config.schedule_policy == "lpm" and self.cache.tree is not None and len(waiting) <= LPM_MAX_QUEUE:
+            scores = {id(r): self.cache.peek_prefix_len(r.all_ids) for r in waiting}
+            # Retracted requests resume first; then longest cached prefix; stable on arrival order.
+            waiting.sort(key=lambda r: (r.num_retractions == 0, -scores[id(r)]))
+        return waiting
+
+    def _admit(self, budget: int, extends: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        admitted: list[ScheduledChunk] = []
+        if not self.waiting:
+            return admitted
+        # Prompts being prefilled this step; a waiting request sharing a long uncached head with one of them
+        # waits so that head is computed once.
+        in_flight = [c.req.all_ids for c in extends]
+        reserved = self._reserved()
+        for req in self._ordered_waiting():
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            tokens = req.all_ids
+            if self.cache.tree is not None and in_flight:
+                shared = max(_common_prefix(tokens, other) for other in in_flight)
+                if shared - self.cache.peek_prefix_len(tokens) >= IN_BATCH_PREFIX_DEFER:
+                    continue
+            cached = self.cache.admit(req)
+            need = req.total - cached + max(0, req.params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio
+            if self.running and self.cache.available() - reserved < need:
+                self.cache.release(req)
+                break
+            chunk = self._extend_chunk(req, budget)
+            if chunk is None:
+                self.cache.release(req)
+                break
+            if req.cached_tokens is None:
+                req.cached_tokens = cached
+            self.waiting.remove(req)
+            self.running.append(req)
+            budget -= chunk.end - chunk.start
+            reserved += need
+            admitted.append(chunk)
+            in_flight.append(tokens)
+        return admitted
+
+    def fail_all(self, reason: FinishReason, error: str | None = None) -> list[Req]:
+        """Finish every request (engine shutdown or a fatal fault) and free their KV."""
+        reqs = list(self.running) + list(self.waiting)
+        for req in reqs:
+            req.finish_reason = reason
+            req.error = error
+            self.remove(req)
+        return reqs

@@ -1,0 +1,25 @@
+"""Counters the engine keeps for logs, /server_info and Prometheus. Written by the engine thread only."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, served from the radix cache
+    generated_tokens: int = 0
+    forward_steps: int = 0
+    retractions: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(asdict(self))
+        d["cache_hit_rate"] = self.cache_hit_rate
+        return d

@@ -1,0 +1,361 @@
+"""Tests of the batched sampler: greedy, seeds, filters, penalties, masks and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import runtime.sampler as sampler_mod
+from runtime.request import Req
+from runtime.sampler import NoAllowedTokenError, Sampler, token_logprobs
+from runtime.sampling_params import SamplingParams
+
+V = 50
+EOS = 0
+CPU = torch.device("cpu")
+
+
+def make_req(
+    rid: str = "r", prompt: list[int] | None = None, output: list[int] | None = None, **params
+) -> Req:
+    req = Req(rid, prompt if prompt is not None else [1, 2, 3], SamplingParams(**params))
+    req.output_ids = list(output or [])
+    return req
+
+
+def make_sampler(seed: int = 0) -> Sampler:
+    return Sampler(V, [EOS], CPU, seed=seed)
+
+
+def rand_logits(rows: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * scale
+
+
+def processed_logprobs(
+    logits_row: torch.Tensor, req: Req, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The full log-distribution the sampler reports for one row (every alternative requested)."""
+    req.params.return_logprob = True
+    req.params.top_logprobs_num = V
+    out = make_sampler().sample(logits_row[None], [req], allowed)
+    entry = out.logprobs[0]
+    assert entry is not None
+    full = torch.full((V,), float("-inf"))
+    for tid, lp in entry.top:
+        full[tid] = lp
+    return full
+
+
+# ---------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = rand_logits(6, seed=1).to(dtype)
+    reqs = [make_req(f"g{i}", temperature=0.0) for i in range(6)]
+    out = make_sampler().sample(logits, reqs)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.logprobs == [None] * 6
+    assert all(r.generator is None for r in reqs)  # the fast path draws nothing
+
+
+def test_input_logits_are_not_modified() -> None:
+    logits = rand_logits(3, seed=2)
+    before = logits.clone()
+    reqs = [
+        make_req("a", temperature=0.7, top_p=0.5, repetition_penalty=1.5, logit_bias={3: 5.0}),
+        make_req("b", temperature=0.0, frequency_penalty=1.0, output=[4, 4]),
+        make_req("c", min_new_tokens=3, min_p=0.2, return_logprob=True),
+    ]
+    make_sampler().sample(logits, reqs, torch.ones(3, V, dtype=torch.bool))
+    assert torch.equal(logits, before)
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
+    logits = rand_logits(8, seed=3)
+    expected = logits.argmax(-1).tolist()
+    for params in ({"top_k": 1}, {"top_p": 1e-6}, {"top_p": 1e-6, "temperature": 5.0}):
+        reqs = [make_req(f"r{i}", seed=i, **params) for i in range(8)]
+        for _ in range(5):
+            assert make_sampler().sample(logits, reqs).token_ids == expected
+
+
+def test_padding_columns_are_never_picked() -> None:
+    logits = torch.cat([rand_logits(4, seed=4), torch.full((4, 14), 1e4)], dim=1)
+    reqs = [make_req("g", temperature=0.0), make_req("s", seed=1), make_req("t", top_k=5), make_req("u")]
+    for _ in range(20):
+        assert all(t < V for t in make_sampler().sample(logits, reqs).token_ids)
+
+
+# ---------------------------------------------------------------------------- seeds
+
+
+def _run_steps(sampler: Sampler, reqs: list[Req], row: int, steps: int, logits_seed: int) -> list[int]:
+    """Sample ``steps`` tokens for ``reqs``; row ``row`` always sees the same logits sequence."""
+    g = torch.Generator().manual_seed(logits_seed)
+    target = []
+    for step in range(steps):
+        logits = rand_logits(len(reqs), seed=1000 + step)
+        logits[row] = torch.randn(V, generator=g) * 2.0
+        out = sampler.sample(logits, reqs)
+        for r, t in zip(reqs, out.token_ids, strict=True):
+            r.output_ids.append(t)
+        target.append(out.token_ids[row])
+    return target
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 1.3, "top_k": 10, "min_p": 0.05},
+    ],
+)
+def test_seed_is_independent_of_batch(params: dict) -> None:
+    alone = _run_steps(make_sampler(seed=1), [make_req("x", seed=1234, **params)], 0, 12, logits_seed=7)
+
+    others = [
+        make_req("o0", seed=5),
+        make_req("o1"),
+        make_req("o2", temperature=0.0),
+        make_req("o3", top_k=3, repetition_penalty=1.3),
+        make_req("o4", top_p=0.5, frequency_penalty=0.5, presence_penalty=0.3),
+        make_req("o5", seed=99, min_p=0.3, logit_bias={7: 2.0}),
+        make_req("o6", min_new_tokens=5, temperature=0.5),
+    ]
+    batch = others[:3] + [make_req("x", seed=1234, **params)] + others[3:]
+    batched = _run_steps(make_sampler(seed=2), batch, 3, 12, logits_seed=7)
+    assert batched == alone
+
+    # Another position, another sampler seed: still the same tokens.
+    batch = [make_req("x", seed=1234, **params)] + [make_req(f"u{i}") for i in range(7)]
+    assert _run_steps(make_sampler(seed=3), batch, 0, 12, logits_seed=7) == alone
+
+
+def test_different_seeds_differ_and_unseeded_requests_get_generators() -> None:
+    runs = [_run_steps(make_sampler(), [make_req("x", seed=s)], 0, 12, logits_seed=8) for s in range(4)]
+    assert len({tuple(r) for r in runs}) > 1
+    reqs = [make_req("a"), make_req("b")]
+    make_sampler().sample(rand_logits(2, seed=9), reqs)
+    assert all(isinstance(r.generator, torch.Generator) for r in reqs)
+    # Unseeded generators come from the sampler's seed: the same engine seed replays the same choices.
+    a = _run_steps(make_sampler(seed=11), [make_req("a"), make_req("b")], 1, 8, logits_seed=9)
+    b = _run_steps(make_sampler(seed=11), [make_req("a"), make_req("b")], 1, 8, logits_seed=9)
+    assert a == b
+
+
+# ---------------------------------------------------------------------------- distributions
+
+
+def _frequencies(logits_row: torch.Tensor, n: int, **params) -> torch.Tensor:
+    reqs = [make_req(f"s{i}", **params) for i in range(n)]
+    out = make_sampler(seed=5).sample(logits_row.expand(n, V).contiguous(), reqs)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=V).float() / n
+
+
+def test_temperature_one_matches_softmax() -> None:
+    logits = torch.full((V,), -30.0)
+    logits[:6] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5])
+    n = 4000
+    freq = _frequencies(logits, n)
+    probs = torch.softmax(logits, -1)
+    tol = 4 * torch.sqrt(probs * (1 - probs) / n) + 1e-3
+    assert torch.all((freq - probs).abs() <= tol), (freq[:6], probs[:6])
+
+
+def test_temperature_top_k_top_p_distribution() -> None:
+    logits = torch.full((V,), -30.0)
+    logits[:6] = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5])
+    n = 4000
+    # temperature 2, top_k 4: softmax(x / 2) over the best four.
+    freq = _frequencies(logits, n, temperature=2.0, top_k=4)
+    expected = torch.zeros(V)
+    expected[:4] = torch.softmax(logits[:4] / 2.0, -1)
+    assert torch.all((freq - expected).abs() <= 4 * torch.sqrt(expected * (1 - expected) / n) + 1e-3)
+    # top_p 0.6 keeps the smallest prefix whose mass reaches 0.6 (here the best two).
+    probs = torch.softmax(logits, -1)
+    assert probs[0] < 0.6 < probs[0] + probs[1]
+    freq = _frequencies(logits, n, top_p=0.6)
+    expected = torch.zeros(V)
+    expected[:2] = probs[:2] / probs[:2].sum()
+    assert torch.all((freq - expected).abs() <= 4 * torch.sqrt(expected * (1 - expected) / n) + 1e-3)
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    logits = torch.full((V,), -5.0)
+    logits[:3] = torch.tensor([3.0, 2.9, 1.0])  # p2 / p0 = exp(-2) ~ 0.135
+    freq = _frequencies(logits, 2000, min_p=0.2)
+    assert freq[0] > 0.3 and freq[1] > 0.3
+    assert freq[2:].sum() == 0
+    freq = _frequencies(logits, 2000, min_p=0.1)
+    assert freq[2] > 0 and freq[3:].sum() == 0
+
+
+# ---------------------------------------------------------------------------- bias and penalties
+
+
+def test_logit_bias_forces_a_token() -> None:
+    logits = rand_logits(4, seed=12)
+    reqs = [
+        make_req("a", logit_bias={7: 100.0}),
+        make_req("b", temperature=0.0, logit_bias={9: 100.0}),
+        make_req("c", temperature=0.0),
+        make_req("d", logit_bias={int(logits[3].argmax()): -100.0}, temperature=0.0),
+    ]
+    out = make_sampler().sample(logits, reqs)
+    assert out.token_ids[:3] == [7, 9, int(logits[2].argmax())]
+    assert out.token_ids[3] != int(logits[3].argmax())
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.zeros(V)
+    logits[3], logits[4], logits[5] = 2.0, -1.0, 1.0
+    req = make_req("r", prompt=[3, 9], output=[4], temperature=0.0, repetition_penalty=2.0)
+    expected = logits.clone()
+    expected[3], expected[4] = 1.0, -2.0  # seen: positive divided, negative multiplied; 5 unseen; 9 is 0
+    got = processed_logprobs(logits, req)
+    torch.testing.assert_close(got, torch.log_softmax(expected, -1))
+
+
+def test_frequency_and_presence_penalties_use_output_only() -> None:
+    logits = torch.zeros(V)
+    req = make_req(
+        "r", prompt=[7, 7], output=[5, 5, 5, 6], temperature=0.0, frequency_penalty=0.5, presence_penalty=1.0
+    )
+    expected = logits.clone()
+    expected[5] -= 0.5 * 3 + 1.0
+    expected[6] -= 0.5 * 1 + 1.0  # token 7 appears only in the prompt: untouched
+    torch.testing.assert_close(processed_logprobs(logits, req), torch.log_softmax(expected, -1))
+    # A negative presence penalty encourages repetition.
+    req = make_req("r", output=[5], temperature=0.0, presence_penalty=-2.0)
+    assert make_sampler().sample(torch.zeros(1, V), [req]).token_ids == [5]
+
+
+def test_penalties_change_sampled_choices() -> None:
+    logits = torch.full((1, V), 0.5)
+    logits[0, 3] = 1.0
+    req = make_req("r", temperature=0.0, output=[3], frequency_penalty=2.0)
+    assert make_sampler().sample(logits, [req]).token_ids != [3]
+    req = make_req("r", prompt=[3], temperature=0.0, repetition_penalty=4.0)
+    assert make_sampler().sample(logits, [req]).token_ids != [3]
+    # A penalty below 1 rewards repetition instead.
+    logits[0, 3] = 0.4
+    req = make_req("r", prompt=[3], temperature=0.0, repetition_penalty=0.5)
+    assert make_sampler().sample(logits, [req]).token_ids == [3]
+
+
+# ---------------------------------------------------------------------------- masks
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, EOS], logits[0, 8], logits[0, 9] = 10.0, 9.0, 8.0
+    s = make_sampler()
+    req = make_req("r", temperature=0.0, min_new_tokens=2, stop_token_ids=[8])
+    assert s.sample(logits, [req]).token_ids == [9]
+    req.output_ids = [1, 1]
+    assert s.sample(logits, [req]).token_ids == [EOS]
+    # ignore_eos: EOS is left alone (the scheduler won't stop on it) but stop ids are still held off.
+    req = make_req("r", temperature=0.0, min_new_tokens=2, stop_token_ids=[8], ignore_eos=True)
+    assert s.sample(logits, [req]).token_ids == [EOS]
+    logits[0, EOS] = -10.0
+    assert s.sample(logits, [req]).token_ids == [9]
+    # Sampled rows never draw a masked id either.
+    reqs = [make_req(f"s{i}", temperature=5.0, min_new_tokens=1, stop_token_ids=[8]) for i in range(200)]
+    logits[0, EOS] = 10.0
+    assert not {EOS, 8} & set(s.sample(logits.expand(200, V), reqs).token_ids)
+
+
+def test_min_new_tokens_yields_to_a_grammar_that_can_only_end() -> None:
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, EOS] = True
+    req = make_req("r", min_new_tokens=5)
+    assert make_sampler().sample(rand_logits(1, seed=13), [req], allowed).token_ids == [EOS]
+
+
+def test_allowed_mask_is_respected() -> None:
+    n = 64
+    g = torch.Generator().manual_seed(14)
+    allowed = torch.rand(n, V, generator=g) < 0.1
+    allowed[:, 0] = False
+    allowed[torch.arange(n), torch.randint(1, V, (n,), generator=g)] = True
+    logits = rand_logits(n, seed=15, scale=10.0)
+    reqs = [
+        make_req(
+            f"r{i}", temperature=[0.0, 1.0, 3.0][i % 3], top_p=0.9 if i % 2 else 1.0, repetition_penalty=1.2
+        )
+        for i in range(n)
+    ]
+    for _ in range(5):
+        out = make_sampler().sample(logits, reqs, allowed)
+        assert all(allowed[i, t] for i, t in enumerate(out.token_ids))
+    greedy = [make_req(f"g{i}", temperature=0.0) for i in range(n)]
+    tokens = make_sampler().sample(logits, greedy, allowed).token_ids
+    assert tokens == logits.masked_fill(~allowed, float("-inf")).argmax(-1).tolist()
+
+
+def test_row_with_nothing_allowed_raises_naming_the_request() -> None:
+    allowed = torch.ones(3, V, dtype=torch.bool)
+    allowed[1] = False
+    reqs = [make_req("ok0"), make_req("bad-req", temperature=0.0), make_req("ok2")]
+    with pytest.raises(ValueError, match="bad-req") as info:
+        make_sampler().sample(rand_logits(3, seed=16), reqs, allowed)
+    assert isinstance(info.value, NoAllowedTokenError) and info.value.rids == ["bad-req"]
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_match_log_softmax_before_temperature() -> None:
+    logits = rand_logits(4, seed=17)
+    reqs = [
+        make_req("a", temperature=0.0, return_logprob=True, top_logprobs_num=5),
+        make_req("b", temperature=0.5, top_k=3, return_logprob=True, top_logprobs_num=3, seed=1),
+        make_req("c"),
+        make_req("d", return_logprob=True, logit_bias={2: 3.0}),
+    ]
+    out = make_sampler().sample(logits, reqs)
+    ref = torch.log_softmax(logits, -1)
+    for i in (0, 1):
+        entry = out.logprobs[i]
+        assert entry is not None and entry.token_id == out.token_ids[i]
+        assert math.isclose(entry.logprob, ref[i, entry.token_id].item(), abs_tol=1e-5)
+        vals = [lp for _, lp in entry.top]
+        assert len(entry.top) == reqs[i].params.top_logprobs_num
+        assert vals == sorted(vals, reverse=True)
+        top_ref = ref[i].topk(len(vals))
+        assert [t for t, _ in entry.top] == top_ref.indices.tolist()
+        torch.testing.assert_close(torch.tensor(vals), top_ref.values)
+    assert out.logprobs[2] is None
+    entry = out.logprobs[3]
+    assert entry is not None and entry.top == []
+    biased = logits[3].clone()
+    biased[2] += 3.0
+    assert math.isclose(entry.logprob, torch.log_softmax(biased, -1)[entry.token_id].item(), abs_tol=1e-5)
+
+
+def test_logprobs_drop_masked_alternatives() -> None:
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, [3, 4]] = True
+    got = processed_logprobs(rand_logits(1, seed=18)[0], make_req("r", temperature=0.0), allowed)
+    assert torch.isfinite(got).sum() == 2
+    torch.testing.assert_close(got.exp().sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("chunk_elems", [1 << 26, V * 3])
+def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: int) -> None:
+    monkeypatch.setattr(sampler_mod, "_LOGPROB_CHUNK_ELEMS", chunk_elems)
+    logits = rand_logits(10, seed=19).to(torch.bfloat16)
+    targets = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(20))
+    ref = torch.log_softmax(logits.float(), -1)
+    out = token_logprobs(logits, targets, top_n=4)
+    assert [e.token_id for e in out] == targets.tolist()
+    torch.testing.assert_close(torch.tensor([e.logprob for e in out]), ref[torch.arange(10), targets])
+    for i, e in enumerate(out):
+        assert [t for t, _ in e.top] == ref[i].topk(4).indices.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), ref[i].topk(4).values)
+    assert all(e.top == [] for e in token_logprobs(logits, targets, top_n=0))
