@@ -10,8 +10,8 @@ How the engine combines the two, once per step for each request::
     elif finishing for another reason: req.output_text += req.detok.flush()  (then check once more)
     send req.output_text[req.sent_text_len : len(req.output_text) - stops.hold_back(req.output_text)]
 
-``hold_back`` never shrinks what has been sent: a held suffix is a proper prefix of some stop string, and any
-later occurrence of a stop that overlaps sent text would have had its start held (see ``StopChecker``).
+``len(text) - hold_back(text)`` never decreases as text grows, and a stop string found later never starts
+inside text already sent: that text was a proper prefix of the stop, hence held.
 """
 
 from __future__ import annotations

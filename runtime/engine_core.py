@@ -74,6 +74,7 @@ class EngineCore:
         if req.rid in self._by_rid:
             raise ValueError(f"request id {req.rid!r} is already in use")
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
+        req.stop_checker = StopChecker(req.params.stop) if req.params.stop else None
         self._by_rid[req.rid] = req
         self.scheduler.add(req)
 
@@ -154,26 +155,29 @@ class EngineCore:
         prev_len = len(req.detok.text)
         req.detok.add([token])
         req.output_text = req.detok.text
-        if n_out >= params.min_new_tokens and (
-            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
-        ):
-            req.finish_reason, req.matched_stop = FinishReason.STOP, token
-            return
-        if params.stop and n_out >= params.min_new_tokens:
-            hit = StopChecker(params.stop).check(req.output_text, prev_len)
+        if req.stop_checker is not None and n_out >= params.min_new_tokens:
+            hit = req.stop_checker.check(req.output_text, prev_len)
             if hit is not None:
                 cut, stop = hit
                 req.output_text = req.output_text[:cut]
                 req.finish_reason, req.matched_stop = FinishReason.STOP, stop
                 return
-        if n_out >= params.max_new_tokens or req.total >= self.max_context_len:
+        if n_out >= params.min_new_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        ):
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+        elif n_out >= params.max_new_tokens or req.total >= self.max_context_len:
             req.finish_reason = FinishReason.LENGTH
+        if req.finished:
+            # Characters held back waiting for the rest of a multi-byte sequence are final now.
+            req.detok.flush()
+            req.output_text = req.detok.text
 
     def _delta(self, req: Req) -> ReqOutput | None:
         """The part of the output not sent yet; text that may still turn out to start a stop string is held."""
         text_end = len(req.output_text)
-        if not req.finished and req.params.stop:
-            text_end -= StopChecker(req.params.stop).hold_back(req.output_text)
+        if not req.finished and req.stop_checker is not None:
+            text_end -= req.stop_checker.hold_back(req.output_text)
         text_end = max(text_end, req.sent_text_len)
         new_tokens = req.output_ids[req.sent_token_len :]
         if not new_tokens and text_end == req.sent_text_len and not req.finished:

@@ -65,10 +65,11 @@ class Req:
         self.error: str | None = None
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
-        self.generator: Any = None  # torch.Generator, created by the sampler when a seed is given
+        self.generator: Any = None  # torch.Generator, created by the sampler on first use (seeded when asked)
         self.num_retractions = 0
         # Text state, owned by the detokenizer.
         self.detok: Any = None
+        self.stop_checker: Any = None
         self.output_text = ""
         self.sent_text_len = 0
         self.sent_token_len = 0

@@ -118,12 +118,11 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     if any(p.temperature != 1.0 for p in params):
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         xs = xs / temp[:, None]
-    else:
-        xs = xs.clone()  # the cuts below write into it
     cut_rows = [j for j, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]
     if cut_rows:
         idx = torch.tensor(cut_rows, device=dev)
-        sub = xs[idx]
+        every_row = len(cut_rows) == len(params)
+        sub = xs if every_row else xs[idx]
         k = torch.tensor([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], device=dev)
         p = torch.tensor([params[j].top_p for j in cut_rows], dtype=torch.float32, device=dev)
         lse_row = torch.logsumexp(sub, dim=-1)
@@ -133,7 +132,9 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         if redo.numel():
             full = sub[redo].sort(dim=-1, descending=True).values
             threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
-        xs[idx] = sub.masked_fill(sub < threshold[:, None], _NEG_INF)
+        sub = sub.masked_fill(sub < threshold[:, None], _NEG_INF)
+        # Out of place: ``xs`` may still be the caller's tensor, whose rows also feed logprobs.
+        xs = sub if every_row else xs.index_put((idx,), sub)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.

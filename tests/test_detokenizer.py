@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from runtime.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, StopChecker
+from runtime.detokenizer import CONTEXT_TOKENS, MAX_WINDOW_TOKENS, IncrementalDetokenizer, StopChecker
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog. ",
@@ -43,9 +43,7 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(
-        CORPUS[:1] * 10, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"])
-    )
+    tok.train_from_iterator(CORPUS[:1] * 10, trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "</s>"]))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
@@ -111,9 +109,7 @@ def test_partial_character_is_held_until_completed() -> None:
     sizes=st.lists(st.integers(1, 4), max_size=40),
     skip=st.booleans(),
 )
-def test_random_ids_concatenate_to_decode(
-    prompt: list[int], ids: list[int], sizes: list[int], skip: bool
-) -> None:
+def test_random_ids_concatenate_to_decode(prompt: list[int], ids: list[int], sizes: list[int], skip: bool) -> None:
     """Any ids, fed in any chunking, give pieces that join to decode(ids); every emitted prefix is final."""
     expected = TOK.decode(ids, skip_special_tokens=skip)
     detok = IncrementalDetokenizer(TOK, prompt, skip_special_tokens=skip)
@@ -155,6 +151,17 @@ def test_cost_per_token_is_constant() -> None:
     assert text == TOK.decode(ids)
     assert max(counting.calls) <= 2 * CONTEXT_TOKENS + 4
     assert sum(counting.calls) <= 3 * CONTEXT_TOKENS * len(ids)
+
+
+def test_endless_invalid_bytes_keep_the_window_bounded() -> None:
+    """A model emitting only stray continuation bytes never reaches a clean end; the cost must stay bounded."""
+    stray = next(i for i in range(VOCAB) if TOK.decode([i, i]) == "\ufffd\ufffd" and TOK.decode([i]) == "\ufffd")
+    ids = [stray] * (4 * MAX_WINDOW_TOKENS)
+    counting = CountingTokenizer(TOK)
+    detok = IncrementalDetokenizer(counting, [])
+    text = "".join(detok.add([i]) for i in ids) + detok.flush()
+    assert text == TOK.decode(ids)
+    assert max(counting.calls) <= MAX_WINDOW_TOKENS + 1
 
 
 def test_leading_space_follows_the_prompt() -> None:
@@ -224,9 +231,7 @@ def test_stop_string_split_across_tokens(stop: str) -> None:
     ids = TOK.encode(text)
     # The stop string really spans several tokens here.
     assert not any(stop in TOK.decode([i]) for i in ids)
-    final, streamed, hit = run_stream(
-        IncrementalDetokenizer(TOK, []), StopChecker([stop]), [[i] for i in ids]
-    )
+    final, streamed, hit = run_stream(IncrementalDetokenizer(TOK, []), StopChecker([stop]), [[i] for i in ids])
     assert hit is not None and hit[1] == stop
     assert final == text[: text.index(stop)]
     assert stop not in final and streamed == final[: len(streamed)]

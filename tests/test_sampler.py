@@ -9,7 +9,7 @@ import torch
 
 import runtime.sampler as sampler_mod
 from runtime.request import Req
-from runtime.sampler import NoAllowedTokenError, Sampler, token_logprobs
+from runtime.sampler import TOP_WINDOW, NoAllowedTokenError, Sampler, token_logprobs
 from runtime.sampling_params import SamplingParams
 
 V = 50
@@ -17,9 +17,7 @@ EOS = 0
 CPU = torch.device("cpu")
 
 
-def make_req(
-    rid: str = "r", prompt: list[int] | None = None, output: list[int] | None = None, **params
-) -> Req:
+def make_req(rid: str = "r", prompt: list[int] | None = None, output: list[int] | None = None, **params) -> Req:
     req = Req(rid, prompt if prompt is not None else [1, 2, 3], SamplingParams(**params))
     req.output_ids = list(output or [])
     return req
@@ -34,9 +32,7 @@ def rand_logits(rows: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     return torch.randn(rows, V, generator=g) * scale
 
 
-def processed_logprobs(
-    logits_row: torch.Tensor, req: Req, allowed: torch.Tensor | None = None
-) -> torch.Tensor:
+def processed_logprobs(logits_row: torch.Tensor, req: Req, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The full log-distribution the sampler reports for one row (every alternative requested)."""
     req.params.return_logprob = True
     req.params.top_logprobs_num = V
@@ -85,7 +81,12 @@ def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
 
 def test_padding_columns_are_never_picked() -> None:
     logits = torch.cat([rand_logits(4, seed=4), torch.full((4, 14), 1e4)], dim=1)
-    reqs = [make_req("g", temperature=0.0), make_req("s", seed=1), make_req("t", top_k=5), make_req("u")]
+    reqs = [
+        make_req("g", temperature=0.0),
+        make_req("s", seed=1, repetition_penalty=1.3, output=[2, 3]),
+        make_req("t", top_k=5, logit_bias={4: 2.0}),
+        make_req("u", frequency_penalty=1.0, output=[V - 1, 5]),
+    ]
     for _ in range(20):
         assert all(t < V for t in make_sampler().sample(logits, reqs).token_ids)
 
@@ -195,6 +196,57 @@ def test_min_p_drops_unlikely_tokens() -> None:
     assert freq[2] > 0 and freq[3:].sum() == 0
 
 
+def reference_keep(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Tokens a row keeps, computed the plain way: one full sort per step, thresholds on values."""
+    x = x / temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < x.numel():
+        keep &= x >= x.sort(descending=True).values[top_k - 1]
+    if top_p < 1.0:
+        vals = x.masked_fill(~keep, float("-inf")).sort(descending=True).values
+        probs = torch.softmax(vals, -1)
+        before = torch.cumsum(probs, -1) - probs
+        keep &= x >= vals[int((before <= top_p).sum()) - 1]
+    if min_p > 0.0:
+        keep &= x >= x.max() + math.log(min_p)
+    return keep
+
+
+def test_filters_match_reference_beyond_the_window() -> None:
+    """Vocabularies larger than the top-k/top-p window, values with many ties, cuts on both sides of it."""
+    vocab = 4 * TOP_WINDOW
+    g = torch.Generator().manual_seed(21)
+    settings = [
+        (1.0, 5, 1.0, 0.0),
+        (0.8, 2 * TOP_WINDOW, 1.0, 0.0),  # top_k past the window: full sort
+        (1.0, -1, 0.3, 0.0),
+        (1.0, -1, 0.95, 0.0),  # flat rows put this cut past the window
+        (1.5, 40, 0.7, 0.05),
+        (1.0, 3 * TOP_WINDOW, 0.9, 0.0),
+        (0.7, -1, 1.0, 0.1),
+    ]
+    for scale in (0.3, 3.0):
+        x = torch.round(torch.randn(len(settings), vocab, generator=g) * scale * 2) / 2  # ties on purpose
+        reqs = [
+            make_req(f"r{i}", temperature=t, top_k=k, top_p=p, min_p=m, seed=i)
+            for i, (t, k, p, m) in enumerate(settings)
+        ]
+        filtered = sampler_mod._filter(x.clone(), [r.params for r in reqs])
+        for i, (t, k, p, m) in enumerate(settings):
+            assert torch.equal(torch.isfinite(filtered[i]), reference_keep(x[i], t, k, p, m)), settings[i]
+        out = Sampler(vocab, [EOS], CPU).sample(x, reqs)
+        for i, tok in enumerate(out.token_ids):
+            assert reference_keep(x[i], *settings[i])[tok]
+
+
+def test_draw_never_lands_on_zero_weight_tokens() -> None:
+    xs = torch.full((4, V), float("-inf"))
+    xs[:, 3], xs[:, 7] = 0.0, 1.0
+    uniforms = torch.tensor([0.0, 1.0 - 2**-53, 0.5, 0.2], dtype=torch.float64)
+    tokens = sampler_mod._draw(xs, uniforms).tolist()
+    assert tokens[0] == 3 and tokens[1] == 7 and set(tokens) <= {3, 7}
+
+
 # ---------------------------------------------------------------------------- bias and penalties
 
 
@@ -285,9 +337,7 @@ def test_allowed_mask_is_respected() -> None:
     allowed[torch.arange(n), torch.randint(1, V, (n,), generator=g)] = True
     logits = rand_logits(n, seed=15, scale=10.0)
     reqs = [
-        make_req(
-            f"r{i}", temperature=[0.0, 1.0, 3.0][i % 3], top_p=0.9 if i % 2 else 1.0, repetition_penalty=1.2
-        )
+        make_req(f"r{i}", temperature=[0.0, 1.0, 3.0][i % 3], top_p=0.9 if i % 2 else 1.0, repetition_penalty=1.2)
         for i in range(n)
     ]
     for _ in range(5):
@@ -336,6 +386,20 @@ def test_logprobs_match_log_softmax_before_temperature() -> None:
     biased = logits[3].clone()
     biased[2] += 3.0
     assert math.isclose(entry.logprob, torch.log_softmax(biased, -1)[entry.token_id].item(), abs_tol=1e-5)
+
+
+def test_logprobs_of_an_all_sampled_batch_ignore_the_filters() -> None:
+    logits = rand_logits(3, seed=22)
+    reqs = [
+        make_req(f"r{i}", temperature=0.5, top_k=2, min_p=0.3, return_logprob=True, top_logprobs_num=2, seed=i)
+        for i in range(3)
+    ]
+    out = make_sampler().sample(logits, reqs)
+    ref = torch.log_softmax(logits, -1)
+    for i, entry in enumerate(out.logprobs):
+        assert entry is not None
+        assert math.isclose(entry.logprob, ref[i, out.token_ids[i]].item(), abs_tol=1e-5)
+        torch.testing.assert_close(torch.tensor([lp for _, lp in entry.top]), ref[i].topk(2).values)
 
 
 def test_logprobs_drop_masked_alternatives() -> None:

@@ -30,12 +30,7 @@ class TorchReferenceBackend(AttentionBackend):
         nd = meta.num_decode
         if nd:
             assert meta.decode_slots is not None and meta.decode_mask is not None
-            # [Bd, Lmax, Hkv, D] -> [Bd, Hkv, Lmax, D]
-            kd = k_cache[meta.decode_slots].transpose(1, 2)
-            vd = v_cache[meta.decode_slots].transpose(1, 2)
-            qd = q[:nd].unsqueeze(2)  # [Bd, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=True)
-            out[:nd] = od.squeeze(2)
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta.decode_slots, meta.decode_mask)
         for seq in meta.extends:
             s, e = seq.q_start, seq.q_start + seq.q_len
             qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -44,8 +39,8 @@ class TorchReferenceBackend(AttentionBackend):
                 vs = v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = k_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)
-                vs = v_cache[seq.kv_slots].transpose(0, 1).unsqueeze(0)
+                ks = k_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
+                vs = v_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
                 # Query i sits at absolute position kv_len - q_len + i and sees keys up to there.
                 mask = torch.ones(seq.q_len, seq.kv_len, dtype=torch.bool, device=q.device).tril(
                     seq.kv_len - seq.q_len
@@ -53,3 +48,25 @@ class TorchReferenceBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, Hkv, D]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [B, L]
+    mask: torch.Tensor,  # [B, 1, 1, L]
+) -> torch.Tensor:
+    """One query per sequence. The G query heads that share a KV head become G query rows against that head, so
+    grouped-query attention needs no repeated K/V; one flat ``index_select`` gathers every sequence's keys."""
+    b, h, d = q.shape
+    n_kv = k_cache.shape[1]
+    length = slots.shape[1]
+    flat = slots.reshape(-1)
+    k = k_cache.index_select(0, flat).view(b, length, n_kv, d).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v = v_cache.index_select(0, flat).view(b, length, n_kv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    qg = q.view(b, n_kv, h // n_kv, d)
+    scores = torch.matmul(qg, k) * (d**-0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).view(b, h, d)
