@@ -11,7 +11,7 @@ import logging
 import time
 
 from runtime import envs
-from runtime.batch import BatchPlan, StepResult
+from runtime.batch import BatchPlan, ScheduledChunk, StepResult
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer, StopChecker
 from runtime.kv_cache import KVCacheManager
@@ -110,38 +110,41 @@ class EngineCore:
         now = time.monotonic()
         for i, chunk in enumerate(plan.chunks):
             req = chunk.req
-            if req.finished:  # aborted while the step ran
-                continue
-            if req.admit_time is None:
-                req.admit_time = now
-                self.stats.prompt_tokens += len(req.prompt_ids)
-                self.stats.cached_prompt_tokens += req.cached_tokens or 0
-            req.num_computed = chunk.end
-            if result.prompt_logprobs and result.prompt_logprobs[i]:
-                req.prompt_logprobs.extend(result.prompt_logprobs[i])
-            if i in result.errors:
-                req.finish_reason, req.error = FinishReason.ERROR, result.errors[i]
-                outputs.append(self._finish(req))
-                continue
-            token = result.next_tokens[i]
-            if token is None:
-                if chunk.sample:  # max_new_tokens == 0: the prompt alone was asked for
-                    req.finish_reason = FinishReason.LENGTH
-                    outputs.append(self._finish(req))
-                elif not chunk.is_decode:
-                    self.cache.cache_prefix(req)
-                continue
-            if not chunk.is_decode:
-                self.cache.cache_prefix(req)
-            self._append_token(req, token, result.logprobs[i], now)
             if req.finished:
-                outputs.append(self._finish(req))
-            else:
-                out = self._delta(req)
-                if out is not None:
-                    outputs.append(out)
+                continue
+            try:
+                out = self._apply_one(i, chunk, result, now)
+            except Exception as exc:  # noqa: BLE001 - one request's fault (e.g. detokenizing) fails only it
+                logger.exception("request %s failed while applying its step", req.rid)
+                req.finish_reason, req.error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+                out = self._finish(req)
+            if out is not None:
+                outputs.append(out)
         self.stats.retractions = self.scheduler.num_retractions
         return outputs
+
+    def _apply_one(self, i: int, chunk: ScheduledChunk, result: StepResult, now: float) -> ReqOutput | None:
+        req = chunk.req
+        if req.admit_time is None:
+            req.admit_time = now
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            self.stats.cached_prompt_tokens += req.cached_tokens or 0
+        req.num_computed = chunk.end
+        if result.prompt_logprobs and result.prompt_logprobs[i]:
+            req.prompt_logprobs.extend(result.prompt_logprobs[i])
+        if i in result.errors:
+            req.finish_reason, req.error = FinishReason.ERROR, result.errors[i]
+            return self._finish(req)
+        if not chunk.is_decode:
+            self.cache.cache_prefix(req)
+        token = result.next_tokens[i]
+        if token is None:
+            if chunk.sample:  # max_new_tokens == 0: the prompt alone was asked for
+                req.finish_reason = FinishReason.LENGTH
+                return self._finish(req)
+            return None
+        self._append_token(req, token, result.logprobs[i], now)
+        return self._finish(req) if req.finished else self._delta(req)
 
     def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
         if req.first_token_time is None:

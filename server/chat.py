@@ -1,0 +1,141 @@
+"""Chat messages -> prompt text, through the model's (or the operator's) Jinja chat template.
+
+Roles served: system, developer (rendered as system, which every template knows), user, assistant, tool.
+Content is a string or a list of ``{"type": "text"}`` parts (joined with newlines). Tools are handed to the
+template as ``tools=``; a template that ignores them (no ``tools`` in its source) gets them described in a
+system message instead, in the ``<tool_call>`` format that ``server.tool_parser`` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.errors import bad_request
+from server.protocol import ChatCompletionRequest, ChatMessage
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_PART_TYPES = ("text", "input_text")
+# Keys the server passes to the template itself; chat_template_kwargs must not override them.
+_RESERVED_KWARGS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template"}
+
+TOOLS_SYSTEM_PROMPT = (
+    "You may call one or more of the functions below to help with the user's request. To call a function, "
+    'reply with <tool_call>{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}</tool_call> '
+    "(one block per call) and nothing else. If no function is needed, answer normally.\n\n"
+    "Functions:\n{functions}"
+)
+
+
+def _content_text(msg: ChatMessage, i: int) -> str | None:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.type not in TEXT_PART_TYPES:
+            raise bad_request(
+                f"content part type {part.type!r} is not supported: this server serves text-only models; "
+                "send {'type': 'text', 'text': ...} parts",
+                f"messages[{i}].content[{j}].type",
+            )
+        if part.text is None:
+            raise bad_request("a text content part needs 'text'", f"messages[{i}].content[{j}].text")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _arguments(raw: str | dict[str, Any]) -> Any:
+    """Templates (Qwen, Hermes, Llama) serialize ``arguments`` themselves, so they expect a dict."""
+    if isinstance(raw, dict):
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Validate the conversation and turn it into the plain dicts chat templates read."""
+    if not messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if msg.role not in ROLES:
+            raise bad_request(
+                f"unknown role {msg.role!r} in messages[{i}]; expected one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
+        content = _content_text(msg, i)
+        if content is None and msg.role != "assistant":
+            raise bad_request(f"messages[{i}] (role {msg.role}) needs content", f"messages[{i}].content")
+        if msg.role == "tool" and not msg.tool_call_id:
+            raise bad_request(
+                f"messages[{i}] has role 'tool' but no tool_call_id; give the id of the call it answers",
+                f"messages[{i}].tool_call_id",
+            )
+        entry: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": content or ""}
+        if msg.name:
+            entry["name"] = msg.name
+        if msg.role == "tool":
+            entry["tool_call_id"] = msg.tool_call_id
+        if msg.role == "assistant" and msg.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                }
+                for call in msg.tool_calls
+            ]
+        out.append(entry)
+    return out
+
+
+def _template_source(tokenizer: Any, override: str | None) -> str:
+    if override:
+        return override
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates; HF picks "tool_use" when tools are given
+        template = template.get("tool_use") or template.get("default") or ""
+    return template or ""
+
+
+def _with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    functions = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    instructions = TOOLS_SYSTEM_PROMPT.format(functions=functions)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{instructions}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: str | None) -> tuple[str, bool]:
+    """The prompt text for ``req`` and whether tool calls should be parsed from the answer.
+
+    Tools are offered to the model unless ``tool_choice`` is "none" (the model is then to answer in prose).
+    """
+    messages = normalize_messages(req.messages)
+    choice = req.tool_choice
+    offer_tools = bool(req.tools) and choice != "none"
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if offer_tools and req.tools else None
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    source = _template_source(tokenizer, template_override)
+    if tools and "tools" not in source:
+        messages, tools = _with_tools_system_message(messages, tools), None
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=template_override or None,
+            **kwargs,
+        )
+    except Exception as exc:  # noqa: BLE001 - Jinja errors (incl. a template's raise_exception) are the client's
+        if not source:
+            raise bad_request(
+                "this model has no chat template; use /v1/completions or start the server with --chat-template",
+                "messages",
+            ) from None
+        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    return text, offer_tools

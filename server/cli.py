@@ -1,0 +1,98 @@
+"""``radixserve serve [engine flags] [server flags]``: the HTTP server in front of one in-process engine.
+
+Start-up order: the resolved config is logged, uvicorn starts listening (/health answers 503), the engine
+loads on a background thread (the loader logs progress and the KV cache size), then one line says
+``radixserve ready: serving <model> at http://<host>:<port> (OpenAI API at /v1)``. If loading fails, the
+server stops and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from runtime.config import EngineConfig, add_arguments, from_args
+from server.config import ServerConfig
+
+logger = logging.getLogger("radixserve.server")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOAD_CHECK_S = 0.2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="radixserve: an LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="Serve a model over HTTP (OpenAI-compatible /v1 and SGLang-style native routes).",
+        description="Every flag can also be set with an environment variable RADIXSERVE_<FLAG_NAME>.",
+    )
+    add_arguments(serve.add_argument_group("engine"), EngineConfig)  # type: ignore[arg-type]
+    add_arguments(serve.add_argument_group("server"), ServerConfig)  # type: ignore[arg-type]
+    return parser
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvicorn
+
+    from runtime.engine import Engine
+    from server.app import attach_server, create_app
+
+    logger.info("engine config: %s", json.dumps(asdict(engine_config)))
+    logger.info("server config: %s", json.dumps(server_config.redacted()))
+    app = create_app(lambda: Engine(engine_config), server_config, model=engine_config.model)
+    uv_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_config=None,  # keep our handlers and format for uvicorn's loggers too
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(uv_config)
+    attach_server(app, server)
+
+    async def run() -> int:
+        watcher = asyncio.ensure_future(_stop_on_load_failure(server, app.state.server))
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+        return 1 if app.state.server.load_error or not server.started else 0
+
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled, after a clean shutdown
+        return 0
+
+
+async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicorn.Server, ServerState
+    while not state.load_error:
+        await asyncio.sleep(LOAD_CHECK_S)
+    server.should_exit = True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        engine_config = from_args(EngineConfig, args)
+        server_config = from_args(ServerConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(server_config.log_level)
+    return serve(engine_config, server_config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

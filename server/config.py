@@ -1,0 +1,61 @@
+"""The HTTP server's own settings. Like ``EngineConfig``, each field is a ``radixserve serve`` flag
+(``--field-name``) and an environment variable (``RADIXSERVE_FIELD_NAME``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how the HTTP API is served. Validated in ``__post_init__`` (``ValueError`` says what to fix)."""
+
+    host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 to accept connections from other machines).")
+    port: int = _opt(30000, "TCP port to listen on.")
+    api_key: str = _opt("", "If set, every route but /health needs 'Authorization: Bearer <key>'.")
+    served_model_name: str = _opt("", "Model name clients use; default: the --model value's last path part.")
+    chat_template: str = _opt("", "A Jinja chat template (a file path or the template text) overriding the model's.")
+    log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.chat_template:
+            load_chat_template(self.chat_template)  # fail at start-up, not at the first chat request
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a dict fit for logs and /server_info: the API key is never shown."""
+        d = dataclasses.asdict(self)
+        d["api_key"] = "<set>" if self.api_key else ""
+        return d
+
+
+def load_chat_template(spec: str) -> str:
+    """Return the template text of ``spec``: the contents of a file, or ``spec`` itself if it is a template.
+
+    A value that is neither an existing file nor looks like Jinja (``{{``/``{%``) is most likely a mistyped
+    path, so it is refused rather than used as a template that would render the same text for every chat.
+    """
+    if "{{" in spec or "{%" in spec:
+        return spec
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ValueError(f"--chat-template {spec!r} is neither a readable file nor Jinja template text")
+
+
+def default_served_name(model_spec: str) -> str:
+    """The name clients see for ``model_spec``: a built-in name as is, a path by its last component."""
+    name = Path(model_spec.rstrip("/\\")).name
+    return name.removesuffix(".gguf") or model_spec

@@ -1,0 +1,173 @@
+"""OpenAI-shaped errors: every failure leaves the server as ``{"error": {message, type, param, code}}``.
+
+Invariant: no exception escapes a route as a bare 500. Client mistakes (including pydantic validation errors
+and malformed JSON, which FastAPI would answer with 422) become 400; unexpected exceptions become a 500 that
+names the exception, and are logged with their traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.engine import EngineDeadError, EngineOverloadedError
+
+logger = logging.getLogger("radixserve.server")
+
+RETRY_AFTER_S = 1
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable",
+}
+# Leading words of SamplingParams/engine validation messages -> the OpenAI parameter they are about.
+_OPENAI_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "top_logprobs": "top_logprobs",
+    "seed": "seed",
+    "stop": "stop",
+    "logit_bias": "logit_bias",
+    "at most": "stop",
+    "this request needs": "max_tokens",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status; raise it from any route or helper."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code if code else status}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def constrained_unsupported(param: str) -> APIError:
+    return APIError(
+        400,
+        f"'{param}' requires constrained decoding, which this server does not support yet",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def from_engine_error(exc: Exception, native: bool = False) -> APIError:
+    """Map what ``Engine.submit`` raises to the status a client should see."""
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, str(exc), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), param=param_of(str(exc), native))
+    return internal_error(exc)
+
+
+def param_of(message: str, native: bool = False) -> str | None:
+    """The request parameter an engine validation message is about, under the name the client used."""
+    for prefix, name in _OPENAI_PARAMS.items():
+        if message.startswith(prefix + " "):
+            if not native:
+                return name
+            if name == "top_logprobs":
+                return "top_logprobs_num"
+            return "sampling_params." + {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(name, name)
+    return None
+
+
+def internal_error(exc: BaseException) -> APIError:
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON ({detail}); send a JSON object", None
+    if first.get("type") == "missing" and first.get("loc") == ("body",):
+        return "the request needs a JSON body", None
+    param = _loc(tuple(first.get("loc", ()))) or None
+    msg = first.get("msg", "invalid value")
+    if param is None:
+        return f"the request body must be a JSON object sent with Content-Type: application/json ({msg})", None
+    text = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(internal_error(exc).body(), status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

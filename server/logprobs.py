@@ -1,0 +1,73 @@
+"""Log-probabilities in the three shapes clients expect: OpenAI chat, OpenAI (legacy) completions, SGLang."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from runtime.request import TokenLogprob
+
+Names = Callable[[int], str]
+
+
+def _chat_entry(token_id: int, logprob: float, names: Names) -> dict[str, Any]:
+    text = names(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob], names: Names) -> dict[str, Any]:
+    """``choice.logprobs`` of a chat completion (or of one streamed chunk)."""
+    content = []
+    for lp in lps:
+        entry = _chat_entry(lp.token_id, lp.logprob, names)
+        entry["top_logprobs"] = [_chat_entry(t, v, names) for t, v in lp.top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def prompt_entries(prompt_ids: Sequence[int], prompt_lps: Sequence[TokenLogprob] | None) -> list[TokenLogprob | None]:
+    """One entry per prompt token: ``None`` for the first (nothing predicts it), then the engine's."""
+    lps = list(prompt_lps or [])[: max(0, len(prompt_ids) - 1)]
+    entries: list[TokenLogprob | None] = [None] * (len(prompt_ids) - len(lps))
+    entries.extend(lps)
+    return entries
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], lps: Sequence[TokenLogprob | None], names: Names, text_offset: int = 0
+) -> dict[str, Any]:
+    """``choice.logprobs`` of a legacy completion: parallel lists, offsets index into the choice's text.
+
+    ``top_logprobs`` maps token text to logprob and includes the chosen token, as OpenAI's does.
+    """
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, lps):
+        text = names(token_id)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(lp.logprob)
+        top = {names(t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def native_logprobs(
+    token_ids: Sequence[int], lps: Sequence[TokenLogprob | None], names: Names | None
+) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+    """SGLang's ``(logprob, token_id, text or None)`` triples, and the top alternatives per position."""
+    chosen, tops = [], []
+    for token_id, lp in zip(token_ids, lps):
+        text = names(token_id) if names else None
+        if lp is None:
+            chosen.append([None, token_id, text])
+            tops.append(None)
+            continue
+        chosen.append([lp.logprob, token_id, text])
+        tops.append([[v, t, names(t) if names else None] for t, v in lp.top])
+    return chosen, tops

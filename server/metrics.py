@@ -1,0 +1,133 @@
+"""Prometheus metrics, named like vLLM's (``vllm:`` -> ``radixserve:``) so existing dashboards adapt easily.
+
+Each app owns its own ``CollectorRegistry`` (several apps can live in one process, e.g. in tests). Request
+metrics are recorded by the server from the timestamps of each request's output stream; the gauges are
+refreshed from ``Engine.server_info()`` when /metrics is scraped.
+
+Queue time: the engine does not report when a request was admitted, so the time to its first output (which
+includes the prefill) stands in for it; it is an upper bound of the true queueing delay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from runtime.request import ReqOutput
+
+PREFIX = "radixserve:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        # ``*_created`` series double every counter and histogram and no dashboard reads them (vLLM drops them too).
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for admission.", labels, registry=r)
+        self.kv_usage = Gauge(
+            f"{PREFIX}kv_cache_usage_perc", "Share of KV cache slots held by requests (0-1).", labels, registry=r
+        )
+        self.kv_cached = Gauge(
+            f"{PREFIX}kv_cache_cached_tokens", "Tokens whose KV is kept in the radix prefix cache.", labels, registry=r
+        )
+        self.hit_rate = Gauge(
+            f"{PREFIX}prefix_cache_hit_rate",
+            "Share of admitted prompt tokens served from the prefix cache since start (0-1).",
+            labels,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", labels, registry=r)
+        self.cached_tokens = Counter(
+            f"{PREFIX}prompt_tokens_cached", "Prompt tokens served from the prefix cache.", labels, registry=r
+        )
+        self.requests = Counter(
+            f"{PREFIX}request_success",
+            "Finished requests by finish reason (stop, length, abort, error).",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token.", labels, buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Time between two outputs of a request.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            f"{PREFIX}request_queue_time_seconds",
+            "Time from arrival to first output (an upper bound of the time spent queued).",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_len = Histogram(
+            f"{PREFIX}request_prompt_tokens", "Prompt length per request.", labels, buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.gen_len = Histogram(
+            f"{PREFIX}request_generation_tokens",
+            "Tokens generated per request.",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.model_name = model_name
+
+    def first_output(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+        self.queue.labels(self.model_name).observe(seconds)
+
+    def next_output(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def finished(self, out: ReqOutput, seconds: float) -> None:
+        m = self.model_name
+        reason = out.finish_reason.value if out.finish_reason is not None else "abort"
+        self.requests.labels(m, reason).inc()
+        self.prompt_tokens.labels(m).inc(out.prompt_tokens)
+        self.generation_tokens.labels(m).inc(out.completion_tokens)
+        self.cached_tokens.labels(m).inc(out.cached_tokens)
+        self.prompt_len.labels(m).observe(out.prompt_tokens)
+        self.gen_len.labels(m).observe(out.completion_tokens)
+        self.e2e.labels(m).observe(seconds)
+
+    def abandoned(self) -> None:
+        """A request the server aborted because its client went away (its final output is never read)."""
+        self.requests.labels(self.model_name, "abort").inc()
+
+    def refresh(self, info: dict[str, Any]) -> None:
+        m = self.model_name
+        kv = info["kv_cache"]
+        self.running.labels(m).set(info["num_running_requests"])
+        self.waiting.labels(m).set(info["num_waiting_requests"])
+        self.kv_usage.labels(m).set(kv["in_use_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0)
+        self.kv_cached.labels(m).set(kv["cached_tokens"])
+        self.hit_rate.labels(m).set(info.get("cache_stats", {}).get("cache_hit_rate", 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""SGLang-style native routes: /generate, /server_info, /flush_cache, /abort_request, /health, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from runtime.request import FinishReason
+from runtime.sampling_params import SamplingParams
+from server.deps import StateDep, require_api_key
+from server.engine_client import RequestGroup, Result
+from server.errors import APIError, bad_request, from_engine_error
+from server.logprobs import native_logprobs, prompt_entries
+from server.metrics import CONTENT_TYPE
+from server.params import native_params
+from server.protocol import AbortRequest, GenerateRequest
+from server.state import ServerState
+from server.streaming import DONE, SSEResponse, sse
+from server.tokens import encode
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Native"])
+health_router = APIRouter(tags=["Native"])
+
+
+def _prompts(body: GenerateRequest, tokenizer: Any) -> tuple[bool, list[list[int]]]:
+    """``(single, token ids per prompt)``. Text is tokenized without special tokens, as ``Engine.generate``
+    does, so the HTTP and in-process APIs see the same ids for the same text."""
+    if (body.text is None) == (body.input_ids is None):
+        raise bad_request("give exactly one of text or input_ids", "text")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if isinstance(body.text, str) else list(body.text)
+        ids = [encode(tokenizer, t, add_special_tokens=False) for t in texts]
+    else:
+        raw = body.input_ids or []
+        single = bool(raw) and isinstance(raw[0], int)
+        ids = [list(raw)] if single else [list(x) for x in raw]  # type: ignore[arg-type]
+    if not ids:
+        raise bad_request("the batch is empty", "text" if body.text is not None else "input_ids")
+    return single, ids
+
+
+def _rids(body: GenerateRequest, n: int, single: bool) -> list[str | None]:
+    if body.rid is None:
+        return [None] * n
+    if isinstance(body.rid, str):
+        return [body.rid] if single else [f"{body.rid}-{i}" for i in range(n)]
+    if len(body.rid) != n:
+        raise bad_request(f"{len(body.rid)} rids for {n} prompts", "rid")
+    return list(body.rid)
+
+
+def _finish(res: Result) -> dict[str, Any] | None:
+    if res.finish_reason is None:
+        return None
+    if res.finish_reason == FinishReason.ERROR:
+        raise APIError(500, f"the request failed inside the engine: {res.error}", code="engine_error")
+    if res.finish_reason == FinishReason.LENGTH:
+        return {"type": "length", "length": res.completion_tokens}
+    if res.finish_reason == FinishReason.STOP:
+        return {"type": "stop", "matched": res.matched_stop}
+    return {"type": res.finish_reason.value, "message": res.error}
+
+
+def _result(
+    rid: str,
+    res: Result,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    body: GenerateRequest,
+    state: ServerState,
+    start: float,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(res.token_ids),
+        "cached_tokens": res.cached_tokens,
+        "finish_reason": _finish(res),
+        "e2e_latency": time.monotonic() - start,
+    }
+    if params.return_logprob:
+        names = state.token_names if body.return_text_in_logprobs else None
+        meta["output_token_logprobs"], meta["output_top_logprobs"] = native_logprobs(res.token_ids, res.logprobs, names)
+        if params.logprob_start_len >= 0:
+            start_pos = min(params.logprob_start_len, len(prompt_ids))
+            entries = prompt_entries(prompt_ids, res.prompt_logprobs)[start_pos:]
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = native_logprobs(
+                prompt_ids[start_pos:], entries, names
+            )
+    return {"text": res.text, "output_ids": list(res.token_ids), "meta_info": meta}
+
+
+@router.post("/generate", summary="Generate from text or token ids (SGLang-compatible)")
+async def generate(body: GenerateRequest, request: Request, state: StateDep):
+    engine = state.ready_engine()
+    single, prompts = _prompts(body, engine.tokenizer)
+    raw_params = body.sampling_params
+    if isinstance(raw_params, list) and len(raw_params) != len(prompts):
+        raise bad_request(f"{len(raw_params)} sampling_params for {len(prompts)} prompts", "sampling_params")
+    params = [
+        native_params(
+            raw_params[i] if isinstance(raw_params, list) else raw_params,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+            vocab_size=engine.vocab_size,
+        )
+        for i in range(len(prompts))
+    ]
+    rids = _rids(body, len(prompts), single)
+    group = RequestGroup(engine, state.metrics, state.inflight, native=True)
+    group.submit(list(zip(prompts, params, rids)))
+    start = time.monotonic()
+    if body.stream:
+        return SSEResponse(_stream(group, body, state, prompts, params, single, start))
+    results = await group.collect(request)
+    out = [_result(group.rids[i], r, prompts[i], params[i], body, state, start) for i, r in enumerate(results)]
+    return out[0] if single else out
+
+
+async def _stream(
+    group: RequestGroup,
+    body: GenerateRequest,
+    state: ServerState,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    single: bool,
+    start: float,
+) -> AsyncIterator[str]:
+    """Each event carries the request's cumulative text and ids so far (SGLang's format); [DONE] ends it."""
+    results = [Result() for _ in prompts]
+    try:
+        async for i, out in group:
+            results[i].add(out)
+            payload = _result(group.rids[i], results[i], prompts[i], params[i], body, state, start)
+            if not single:
+                payload["index"] = i
+            yield sse(payload)
+        yield DONE
+    finally:
+        group.close()
+
+
+async def _engine_call(state: ServerState, fn_name: str) -> Any:
+    engine = state.ready_engine()
+    try:
+        return await asyncio.to_thread(getattr(engine, fn_name))
+    except TimeoutError:
+        raise APIError(503, "the engine did not answer within 30 s; it may be overloaded", code="timeout") from None
+    except RuntimeError as exc:  # EngineDeadError
+        raise from_engine_error(exc) from None
+
+
+@router.get("/server_info", summary="Engine state (queues, KV cache, cache statistics) and configuration")
+async def server_info(state: StateDep) -> dict[str, Any]:
+    info = await _engine_call(state, "server_info")
+    return {**info, **state.describe(), "num_inflight_requests": len(state.inflight)}
+
+
+@router.post("/flush_cache", summary="Drop every cached prefix (refused while requests run)")
+async def flush_cache(state: StateDep) -> dict[str, Any]:
+    if not await _engine_call(state, "flush_cache"):
+        raise APIError(
+            400,
+            "the prefix cache cannot be flushed while requests are running; retry when the server is idle",
+            code="cache_in_use",
+        )
+    return {"success": True, "message": "the prefix cache was flushed"}
+
+
+@router.post("/abort_request", summary="Abort running requests by rid (a prefix matches its n choices)")
+async def abort_request(body: AbortRequest, state: StateDep) -> dict[str, Any]:
+    engine = state.ready_engine()
+    if body.abort_all:
+        rids = list(state.inflight)
+    elif body.rid:
+        rids = [r for r in list(state.inflight) if r == body.rid or r.startswith(body.rid + "-")]
+        if not rids:
+            raise APIError(404, f"no running request has rid {body.rid!r} (it may have finished)", param="rid")
+    else:
+        raise bad_request("give a rid, or abort_all: true", "rid")
+    for rid in rids:
+        engine.abort(rid)
+    return {"success": True, "aborted": rids}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(state: StateDep) -> Response:
+    if state.status()[0] == "ready":
+        with contextlib.suppress(APIError):  # the engine just stopped: still serve the counters
+            state.metrics.refresh(await _engine_call(state, "server_info"))
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@health_router.get("/health", summary="200 once the model is loaded and the engine runs, 503 otherwise")
+async def health(state: StateDep) -> JSONResponse:
+    status, why = state.status()
+    body: dict[str, Any] = {"status": status}
+    if why:
+        body["message"] = why
+    return JSONResponse(body, status_code=200 if status == "ready" else 503)

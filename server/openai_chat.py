@@ -1,0 +1,168 @@
+"""``POST /v1/chat/completions``: OpenAI chat completions, streamed or not, with n choices and tool calls."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from runtime.request import FinishReason, ReqOutput
+from server.deps import StateDep, require_api_key
+from server.engine_client import RequestGroup, Result
+from server.errors import APIError, bad_request, constrained_unsupported
+from server.logprobs import chat_logprobs
+from server.params import budget, openai_params, reject_constrained
+from server.protocol import ChatCompletionRequest
+from server.state import ServerState
+from server.streaming import DONE, SSEResponse, sse
+from server.tokens import encode
+from server.tool_parser import ToolCallStream, parse_tool_calls
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
+
+
+def finish_reason(reason: FinishReason | None, error: str | None) -> str:
+    """OpenAI's finish_reason for an engine one; a request that failed in the engine is a 500 for it alone."""
+    if reason == FinishReason.ERROR:
+        raise APIError(500, f"the request failed inside the engine: {error}", code="engine_error")
+    return reason.value if reason is not None else FinishReason.ABORT.value
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _check_options(req: ChatCompletionRequest) -> None:
+    reject_constrained(req)
+    if req.response_format is not None and req.response_format.type != "text":
+        raise constrained_unsupported("response_format")
+    choice = req.tool_choice
+    if choice is not None and choice not in ("none", "auto"):
+        if not req.tools:
+            raise bad_request("tool_choice needs tools: give the tools the model may call", "tool_choice")
+        raise constrained_unsupported("tool_choice")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+@router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI-compatible)")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
+    state.check_model(body.model)
+    engine = state.ready_engine()
+    _check_options(body)
+    text, parse_tools = state.render_chat(body)
+    prompt_ids = encode(engine.tokenizer, text, add_special_tokens=False)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_new = budget(requested, len(prompt_ids), engine.max_context_len, state.kv_total_tokens, "messages")
+    params = openai_params(
+        body,
+        max_new_tokens=max_new,
+        vocab_size=engine.vocab_size,
+        return_logprob=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+    )
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    group = RequestGroup(engine, state.metrics, state.inflight)
+    group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
+    tools = {t.function.name for t in body.tools or []} if parse_tools else set()
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(_stream(group, body, state, cid, created, tools, include_usage))
+    results = await group.collect(request)
+    choices = [_choice(i, r, body, state, tools) for i, r in enumerate(results)]
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.served_name,
+        "choices": choices,
+        "usage": usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results), results[0].cached_tokens),
+    }
+
+
+def _choice(index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: set[str]) -> dict:
+    reason = finish_reason(res.finish_reason, res.error)
+    message: dict[str, Any] = {"role": "assistant", "content": res.text}
+    if tools:
+        content, calls = parse_tool_calls(res.text, tools)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            reason = "tool_calls"
+    assert state.token_names is not None
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(res.logprobs, state.token_names) if body.logprobs else None,
+        "finish_reason": reason,
+        "matched_stop": res.matched_stop,
+    }
+
+
+async def _stream(
+    group: RequestGroup,
+    body: ChatCompletionRequest,
+    state: ServerState,
+    cid: str,
+    created: int,
+    tools: set[str],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Per choice: a first delta with the role, content deltas, a last chunk with finish_reason; then the
+    usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive."""
+    names = state.token_names
+    assert names is not None
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.served_name,
+            "choices": choices,
+        }
+        if include_usage:
+            payload["usage"] = usage_
+        return sse(payload)
+
+    def delta(index: int, d: dict[str, Any], logprobs: Any = None, reason: str | None = None) -> str:
+        return chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}])
+
+    n = len(group.rids)
+    filters = [ToolCallStream(tools) if tools else None for _ in range(n)]
+    finals: list[ReqOutput | None] = [None] * n
+    try:
+        for i in range(n):
+            yield delta(i, {"role": "assistant", "content": ""})
+        async for i, out in group:
+            reason = finish_reason(out.finish_reason, out.error) if out.finished else None
+            filt = filters[i]
+            text = filt.feed(out.text) if filt is not None else out.text
+            lps = chat_logprobs(out.logprobs, names) if body.logprobs and out.logprobs else None
+            if text or lps:
+                yield delta(i, {"content": text}, lps)
+            if not out.finished:
+                continue
+            finals[i] = out
+            if filt is not None:
+                rest, calls = filt.finish()
+                if rest:
+                    yield delta(i, {"content": rest})
+                if calls:
+                    yield delta(i, {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]})
+                    reason = "tool_calls"
+            yield delta(i, {}, None, reason)
+        if include_usage:
+            done = [f for f in finals if f is not None]
+            yield chunk([], usage(done[0].prompt_tokens, sum(f.completion_tokens for f in done), done[0].cached_tokens))
+        yield DONE
+    finally:
+        group.close()

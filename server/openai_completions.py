@@ -1,0 +1,190 @@
+"""``POST /v1/completions``: OpenAI (legacy) text completions, with batched prompts, echo and logprobs.
+
+Choice ``p * n + j`` is the ``j``-th sample of prompt ``p``, as OpenAI orders them. ``max_tokens`` defaults to
+16 as in OpenAI's API. ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the first
+prompt token has none), which is how evaluation harnesses score text with ``max_tokens=0``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from runtime.request import ReqOutput
+from runtime.sampling_params import SamplingParams
+from server.deps import StateDep, require_api_key
+from server.engine_client import RequestGroup, Result
+from server.errors import bad_request
+from server.logprobs import completion_logprobs, prompt_entries
+from server.openai_chat import finish_reason, usage
+from server.params import budget, openai_params, reject_constrained
+from server.protocol import CompletionRequest
+from server.state import ServerState
+from server.streaming import DONE, SSEResponse, sse
+from server.tokens import encode
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """``(token ids, text)`` per prompt; the text is what ``echo`` returns."""
+    raw = req.prompt
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    out = []
+    for k, item in enumerate(items):
+        if isinstance(item, str):
+            ids = encode(tokenizer, item, add_special_tokens=True)
+            text = item
+        else:
+            ids = list(item)
+            text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        if not ids:
+            raise bad_request(f"prompt {k} is empty: give at least one token", "prompt")
+        out.append((ids, text))
+    return out
+
+
+@router.post("/v1/completions", summary="Create a text completion (OpenAI-compatible)")
+async def completions(body: CompletionRequest, request: Request, state: StateDep):
+    state.check_model(body.model)
+    engine = state.ready_engine()
+    reject_constrained(body)
+    if body.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of is not supported (only best_of equal to n)", "best_of")
+    want_lps = body.logprobs is not None
+    if body.stream and body.echo and want_lps:
+        raise bad_request("echo with logprobs is only supported without stream", "echo")
+    prompts = _prompts(body, engine.tokenizer)
+    requests: list[tuple[list[int], SamplingParams, str | None]] = []
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    for p, (ids, _) in enumerate(prompts):
+        requested = body.max_tokens
+        if requested is None:
+            room = min(engine.max_context_len, state.kv_total_tokens) - len(ids)
+            requested = max(0, min(DEFAULT_MAX_TOKENS, room)) if room > 0 else None
+        max_new = budget(requested, len(ids), engine.max_context_len, state.kv_total_tokens, "prompt")
+        params = openai_params(
+            body,
+            max_new_tokens=max_new,
+            vocab_size=engine.vocab_size,
+            return_logprob=want_lps,
+            top_logprobs=body.logprobs or 0,
+            echo_logprobs=body.echo and want_lps,
+        )
+        requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
+    group = RequestGroup(engine, state.metrics, state.inflight)
+    group.submit(requests)
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(_stream(group, body, state, prompts, cid, created, include_usage))
+    results = await group.collect(request)
+    choices = []
+    for i, res in enumerate(results):
+        ids, text = prompts[i // body.n]
+        choices.append(_choice(i, res, body, state, ids, text))
+    return {
+        "id": cid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.served_name,
+        "choices": choices,
+        "usage": _usage(results, body.n),
+    }
+
+
+def _usage(results: list[Result] | list[ReqOutput], n: int) -> dict[str, Any]:
+    """Each prompt's tokens count once however many samples it has (OpenAI's convention)."""
+    firsts = results[::n]
+    return usage(
+        sum(r.prompt_tokens for r in firsts),
+        sum(r.completion_tokens for r in results),
+        sum(r.cached_tokens for r in firsts),
+    )
+
+
+def _choice(
+    index: int, res: Result, body: CompletionRequest, state: ServerState, prompt_ids: list[int], prompt_text: str
+) -> dict[str, Any]:
+    reason = finish_reason(res.finish_reason, res.error)
+    text = prompt_text + res.text if body.echo else res.text
+    logprobs = None
+    if body.logprobs is not None:
+        assert state.token_names is not None
+        tokens: list[int] = list(res.token_ids)
+        lps: list[Any] = list(res.logprobs)
+        if body.echo:
+            tokens = prompt_ids + tokens
+            lps = prompt_entries(prompt_ids, res.prompt_logprobs) + lps
+        logprobs = completion_logprobs(tokens, lps, state.token_names)
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "matched_stop": res.matched_stop,
+    }
+
+
+async def _stream(
+    group: RequestGroup,
+    body: CompletionRequest,
+    state: ServerState,
+    prompts: list[tuple[list[int], str]],
+    cid: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    names = state.token_names
+    assert names is not None
+    offsets = [0] * len(group.rids)
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.served_name,
+            "choices": choices,
+        }
+        if include_usage:
+            payload["usage"] = usage_
+        return sse(payload)
+
+    finals: list[ReqOutput | None] = [None] * len(group.rids)
+    try:
+        if body.echo:
+            for i in range(len(group.rids)):
+                text = prompts[i // body.n][1]
+                offsets[i] = len(text)
+                yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+        async for i, out in group:
+            reason = finish_reason(out.finish_reason, out.error) if out.finished else None
+            lps = None
+            if body.logprobs is not None and out.logprobs:
+                lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i])
+            offsets[i] += len(out.text)
+            if out.text or lps or out.finished:
+                yield chunk([{"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}])
+            if out.finished:
+                finals[i] = out
+        if include_usage:
+            yield chunk([], _usage([f for f in finals if f is not None], body.n))
+        yield DONE
+    finally:
+        group.close()

@@ -1,0 +1,182 @@
+"""Turn API request parameters into ``SamplingParams``, with 400s that name the parameter a client sent.
+
+The ranges themselves are checked by ``SamplingParams.validate`` (shared with the in-process API); here we
+check what only the server knows: the parameter spelling, the prompt's share of the context, and what needs
+grammar-constrained decoding (refused until the constrained/ package serves it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+from server.errors import bad_request, constrained_unsupported, from_engine_error
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+CONSTRAINED_EXTRAS = ("regex", "json_schema", "ebnf", "choices")
+_NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
+    "return_logprob",
+    "top_logprobs_num",
+    "logprob_start_len",
+}
+# SGLang sampling_params keys that are spelled differently here, or that need constrained decoding.
+_NATIVE_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+
+
+def reject_constrained(req: ChatCompletionRequest | CompletionRequest) -> None:
+    for name in CONSTRAINED_EXTRAS:
+        if getattr(req, name) is not None:
+            raise constrained_unsupported(name)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids written as integers, got {key!r}", "logit_bias"
+            ) from None
+    return out
+
+
+def budget(requested: int | None, prompt_len: int, max_context_len: int, kv_tokens: int, prompt_param: str) -> int:
+    """``max_new_tokens`` for a prompt: the request's, checked against the context, or all the room left.
+
+    OpenAI and vLLM refuse (rather than silently cut) a request whose prompt plus max_tokens exceeds the
+    context; a client that wants "as much as fits" leaves max_tokens out.
+    """
+    room = min(max_context_len, kv_tokens) - prompt_len
+    if prompt_len >= max_context_len:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens but this model's context length is {max_context_len} tokens; "
+            "shorten the prompt",
+            prompt_param,
+        )
+    if requested is None:
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {prompt_len} tokens, which leaves no room in the KV cache "
+                f"({kv_tokens} tokens); shorten the prompt",
+                prompt_param,
+            )
+        return room
+    if prompt_len + requested > max_context_len:
+        raise bad_request(
+            f"this model's maximum context length is {max_context_len} tokens, but {prompt_len + requested} "
+            f"were requested ({prompt_len} in the prompt, {requested} for the completion); lower max_tokens "
+            "or shorten the prompt",
+            "max_tokens",
+        )
+    return requested
+
+
+def openai_params(
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    max_new_tokens: int,
+    vocab_size: int,
+    return_logprob: bool,
+    top_logprobs: int,
+    echo_logprobs: bool = False,
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``."""
+    if req.min_tokens > max_new_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_new_tokens})", "min_tokens")
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        seed=req.seed,
+        stop=stop_list(req.stop),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logit_bias=parse_logit_bias(req.logit_bias),
+        return_logprob=return_logprob,
+        top_logprobs_num=top_logprobs,
+        logprob_start_len=0 if echo_logprobs else -1,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    _validate(params, vocab_size, native=False)
+    if req.seed is not None and req.seed + req.n > 2**63:
+        raise bad_request(f"seed must be below 2**63 - n, got {req.seed}", "seed")
+    seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+    return [dataclasses.replace(params, seed=s, stop=list(params.stop)) for s in seeds]
+
+
+def native_params(
+    raw: dict[str, Any] | None, *, return_logprob: bool, top_logprobs_num: int, logprob_start_len: int, vocab_size: int
+) -> SamplingParams:
+    """``SamplingParams`` from an SGLang-style ``sampling_params`` dict; unknown keys are a 400, not ignored,
+    because a misspelt sampling parameter silently changes what is generated."""
+    raw = dict(raw or {})
+    for name in CONSTRAINED_EXTRAS:
+        if raw.get(name) is not None:
+            raise constrained_unsupported(f"sampling_params.{name}")
+    raw = {_NATIVE_ALIASES.get(k, k): v for k, v in raw.items() if k not in CONSTRAINED_EXTRAS}
+    unknown = sorted(set(raw) - _NATIVE_FIELDS)
+    if unknown:
+        raise bad_request(
+            f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(_NATIVE_FIELDS))}",
+            f"sampling_params.{unknown[0]}",
+        )
+    if isinstance(raw.get("stop"), str):
+        raw["stop"] = [raw["stop"]]
+    if "logit_bias" in raw:
+        raw["logit_bias"] = parse_logit_bias({str(k): v for k, v in (raw["logit_bias"] or {}).items()})
+    try:
+        params = SamplingParams(**raw)
+        params.return_logprob = return_logprob
+        params.top_logprobs_num = top_logprobs_num
+        params.logprob_start_len = logprob_start_len
+        _check_types(params)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None
+    _validate(params, vocab_size, native=True)
+    return params
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Catch wrongly typed values early: the engine thread must never see, say, a string temperature."""
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(params, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if f.name == "seed":
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+        elif isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok:
+                setattr(params, f.name, float(value))
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif f.name == "stop":
+            ok = isinstance(value, list) and all(isinstance(s, str) for s in value)
+        elif f.name == "stop_token_ids":
+            ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        else:
+            ok = True
+        if not ok:
+            raise TypeError(f"{f.name} has the wrong type ({type(value).__name__}: {value!r})")
+
+
+def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
+    try:
+        params.validate(vocab_size)
+    except ValueError as exc:
+        raise from_engine_error(exc, native) from None

@@ -1,0 +1,155 @@
+"""Request bodies of the HTTP API as pydantic models, so FastAPI validates them and /openapi.json describes them.
+
+Unknown fields are accepted and ignored (clients send ``store``, ``metadata``, ``user``, ...). Range checks of
+sampling parameters live in ``SamplingParams.validate`` (one place for every entry point); these models only
+check types and the few things that are about the request's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 64  # choices per prompt; each is a separate request in the engine
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _NullIsDefault(_Lenient):
+    """A top-level ``null`` means "use the default": many client libraries send every known field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """A chat message. ``role`` is checked against the served roles when the prompt is rendered."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_NullIsDefault):
+    """Parameters shared by /v1/chat/completions and /v1/completions, OpenAI's and the common extensions."""
+
+    model: str | None = Field(None, description="The served model name (or the --model value).")
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, description="Per-choice seeds are seed, seed+1, ... so choices differ.")
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # SGLang / vLLM extensions.
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    # Grammar-constrained decoding parameters: recognised so they can be refused with a clear message.
+    regex: str | None = None
+    json_schema: Any = None
+    ebnf: str | None = None
+    choices: list[str] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking)."
+    )
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateRequest(_NullIsDefault):
+    """SGLang-style native generation over text or token ids, single or batched."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1, description="First prompt position to return logprobs for.")
+    top_logprobs_num: int = Field(0, ge=0)
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+
+
+class AbortRequest(_Lenient):
+    rid: str | None = None
+    abort_all: bool = False

@@ -1,0 +1,133 @@
+"""What every route shares: the engine (possibly still loading), the server config, metrics, requests in flight.
+
+Life cycle of the engine as /health sees it: ``loading`` (503) -> ``ready`` (200) -> ``dead`` (503) if its
+thread stops or loading failed. Routes that need the engine call ``ready_engine()``, which raises the 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from server.chat import render_chat
+from server.config import ServerConfig, default_served_name, load_chat_template
+from server.errors import APIError
+from server.metrics import Metrics
+from server.tokens import TokenNames
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from server.engine_client import RequestGroup
+    from server.protocol import ChatCompletionRequest
+
+logger = logging.getLogger("radixserve.server")
+
+EngineFactory = Callable[[], "Engine"]
+
+
+class ServerState:
+    def __init__(self, engine_or_factory: Engine | EngineFactory, config: ServerConfig, model_spec: str) -> None:
+        self.config = config
+        self.model_spec = model_spec
+        self.served_name = config.served_model_name or default_served_name(model_spec)
+        self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
+        self.metrics = Metrics(self.served_name)
+        self.inflight: dict[str, RequestGroup] = {}
+        self.created = int(time.time())
+        self.load_error: str | None = None
+        self.kv_total_tokens = 0
+        self.token_names: TokenNames | None = None
+        self._engine: Engine | None = None
+        self._factory: EngineFactory | None = None
+        self.owns_engine = False
+        self.stopping = False
+        self.ready_event = threading.Event()
+        # Set by ``server.app.attach_server``: the URL uvicorn listens on, None until it does.
+        self.listen_url: Callable[[], str | None] | None = None
+        if callable(engine_or_factory) and not hasattr(engine_or_factory, "submit"):
+            self._factory = engine_or_factory
+            self.owns_engine = True
+        else:
+            self._set_engine(engine_or_factory)  # type: ignore[arg-type]
+
+    # --- loading ------------------------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Build the engine on a background thread, so the server answers /health (503) while it loads."""
+        if self._factory is None:
+            return
+        factory, self._factory = self._factory, None
+        threading.Thread(target=self._load, args=(factory,), name="radixserve-load", daemon=True).start()
+
+    def _load(self, factory: EngineFactory) -> None:
+        try:
+            engine = factory()
+        except BaseException as exc:  # noqa: BLE001 - reported on /health and by the CLI
+            if isinstance(exc, ValueError):  # a configuration mistake: its message says what to change
+                logger.error("loading the model failed: %s", exc)
+            else:
+                logger.exception("loading the model failed")
+            self.load_error = f"loading the model failed: {type(exc).__name__}: {exc}"
+            self.ready_event.set()
+            return
+        if self.stopping:  # the server shut down while we loaded
+            engine.shutdown()
+            return
+        self._set_engine(engine)
+
+    def _set_engine(self, engine: Engine) -> None:
+        self.kv_total_tokens = int(engine.server_info()["kv_cache"]["total_tokens"])
+        self.token_names = TokenNames(engine.tokenizer)
+        self._engine = engine
+        self.ready_event.set()
+
+    # --- status -------------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
+    def status(self) -> tuple[str, str | None]:
+        """``(status, why)`` with status ``loading``, ``ready`` or ``dead``."""
+        if self.load_error:
+            return "dead", self.load_error
+        engine = self._engine
+        if engine is None:
+            return "loading", "the model is still loading; retry when /health returns 200"
+        if not engine.alive:
+            return "dead", f"the engine is not running: {engine.error or 'it has shut down'}"
+        return "ready", None
+
+    def ready_engine(self) -> Engine:
+        status, why = self.status()
+        if status != "ready":
+            raise APIError(503, why or status, code=f"engine_{status}")
+        assert self._engine is not None
+        return self._engine
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is the served name or the --model spec (or left out)."""
+        if model is None or model in (self.served_name, self.model_spec):
+            return
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist on this server; it serves {self.served_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, bool]:
+        return render_chat(self.ready_engine().tokenizer, req, self.chat_template)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        if self.owns_engine and self._engine is not None:
+            self._engine.shutdown()
+
+    def ready_message(self, url: str | None = None) -> str:
+        url = url or f"http://{self.config.host}:{self.config.port}"
+        return f"radixserve ready: serving {self.served_name} at {url} (OpenAI API at /v1)"
+
+    def describe(self) -> dict[str, Any]:
+        return {"served_model_name": self.served_name, "server_config": self.config.redacted()}

@@ -1,0 +1,62 @@
+"""Server-sent events as OpenAI streams them: ``data: <json>\\n\\n`` lines, ended by ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.errors import APIError, internal_error
+
+logger = logging.getLogger("radixserve.server")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the 200 headers went out can only be reported in the stream itself."""
+    err = exc if isinstance(exc, APIError) else internal_error(exc)
+    return sse(err.body())
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass ``events`` through; an exception becomes an error event and the stream still ends with [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - never cut a stream without telling the client why
+        if not isinstance(exc, APIError):
+            logger.exception("streaming response failed")
+        yield sse_error(exc)
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response whose body generator is always closed, even when the client goes away.
+
+    Closing runs the generator's ``finally`` (which aborts its requests in the engine) at once, rather than
+    whenever the garbage collector finalizes a generator suspended at a ``yield``.
+    """
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(
+            guarded(events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

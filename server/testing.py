@@ -1,0 +1,59 @@
+"""Run the app with uvicorn on a free loopback port in a background thread (tests, notebooks, the DSL).
+
+with ServerThread(create_app(engine, ServerConfig())) as srv:
+    requests.get(srv.url + "/health")
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from server.app import attach_server
+
+START_TIMEOUT_S = 30.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on ``host:port`` (a free port by default) until ``stop()`` or context exit."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        attach_server(app, self.server)
+        self.thread = threading.Thread(target=self.server.run, name="radixserve-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(START_TIMEOUT_S)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,130 @@
+"""Find tool calls in a model's answer: ``<tool_call>{json}</tool_call>`` blocks (Qwen, Hermes) or an answer
+that is just a JSON object ``{"name": ..., "arguments": ...}`` (or a list of them).
+
+A call counts only if it names one of the tools offered and its JSON parses; anything else stays content, so a
+model that merely talks about a function (or writes JSON for another reason) is never turned into a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.DOTALL)
+
+
+@dataclass
+class ParsedToolCall:
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+    id: str
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        if index is not None:
+            call = {"index": index, **call}
+        return call
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _as_call(obj: Any, names: set[str]) -> ParsedToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False), id=_new_id())
+
+
+def _load(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[ParsedToolCall]]:
+    """Split ``text`` into (content, tool calls). Content is None when the answer was only tool calls.
+
+    With no valid call found, returns ``(text, [])`` unchanged.
+    """
+    if OPEN_TAG in text:
+        calls = []
+        for match in _BLOCK.finditer(text):
+            call = _as_call(_load(match.group(1)), tool_names)
+            if call is None:
+                return text, []  # a malformed block: keep the answer as the model wrote it
+            calls.append(call)
+        content = _BLOCK.sub("", text).strip()
+        return (content or None), calls
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        obj = _load(stripped)
+        objs = obj if isinstance(obj, list) else [obj]
+        calls = [_as_call(o, tool_names) for o in objs]
+        if objs and all(c is not None for c in calls):
+            return None, [c for c in calls if c is not None]
+    return text, []
+
+
+class ToolCallStream:
+    """Streams content while holding back whatever may turn out to be a tool call.
+
+    Invariant: ``feed`` only ever returns text that cannot belong to a call: the answer so far does not start
+    (after whitespace) with ``{``/``[``, and the text returned precedes any ``<tool_call>`` and any suffix
+    that could still grow into one. ``finish`` parses the whole answer and returns the held content and the
+    calls, so streamed content + finish content equals the non-streamed content.
+    """
+
+    def __init__(self, tool_names: set[str]) -> None:
+        self.tool_names = tool_names
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        stripped = self.text.lstrip()
+        if not stripped or stripped.startswith(("{", "[")):
+            return ""
+        tag = self.text.find(OPEN_TAG)
+        end = tag if tag >= 0 else len(self.text) - _partial_tag_len(self.text)
+        # Trailing whitespace waits too: if a call follows, the non-streamed content has it stripped.
+        end = len(self.text[:end].rstrip())
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """The content not yet returned, and the tool calls (empty if the answer had none)."""
+        _, calls = parse_tool_calls(self.text, self.tool_names)
+        if not calls:
+            return self.text[self.sent :], []
+        # Nothing before ``sent`` is part of a block, so the rest of the content is the unsent non-block text.
+        rest = _BLOCK.sub("", self.text[self.sent :]).rstrip()
+        return (rest if self.sent else rest.lstrip()), calls
+
+
+def _partial_tag_len(text: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for n in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN_TAG[:n]):
+            return n
+    return 0

@@ -1,0 +1,101 @@
+"""Tool-call parsing of model answers, whole and streamed (server.tool_parser)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.tool_parser import ToolCallStream, parse_tool_calls
+
+NAMES = {"get_weather", "add"}
+
+
+def args(call) -> dict:
+    return json.loads(call.arguments)
+
+
+def test_hermes_blocks_with_content() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    )
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content == "Let me check."
+    assert [c.name for c in calls] == ["get_weather", "add"]
+    assert args(calls[0]) == {"city": "Paris"} and args(calls[1]) == {"a": 1, "b": 2}
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    assert calls[0].to_openai(0) == {
+        "index": 0,
+        "id": calls[0].id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": calls[0].arguments},
+    }
+
+
+def test_only_calls_gives_no_content_and_unterminated_block_counts() -> None:
+    content, calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}', NAMES)
+    assert content is None and [c.name for c in calls] == ["add"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        '  {"name": "get_weather", "parameters": {"city": "Oslo"}}\n',
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}',
+        '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+    ],
+)
+def test_bare_json_forms(text: str) -> None:
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None and len(calls) == 1
+    assert calls[0].name == "get_weather" and args(calls[0]) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather in Paris is sunny.",
+        '{"name": "unknown_tool", "arguments": {}}',  # not an offered tool
+        '{"answer": 42}',  # JSON, but not a call
+        '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',  # malformed JSON
+        '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
+        "Call get_weather with city Paris",
+    ],
+)
+def test_not_a_call_stays_content(text: str) -> None:
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
+def stream(pieces: list[str]) -> tuple[str, list, list[str]]:
+    filt = ToolCallStream(NAMES)
+    sent = [filt.feed(p) for p in pieces]
+    rest, calls = filt.finish()
+    return "".join(sent) + rest, calls, sent
+
+
+def test_stream_plain_text_flows_and_matches_whole() -> None:
+    text, calls, sent = stream(["Hello ", "there,", " how", " are you?"])
+    assert text == "Hello there, how are you?" and calls == []
+    assert sent == ["Hello", " there,", " how", " are you?"]  # streamed as it comes; trailing space held a step
+
+
+def test_stream_holds_tool_call_and_partial_tags() -> None:
+    pieces = ["Sure", ". <tool", '_call>{"name": "add", ', '"arguments": {"a": 1}}', "</tool_call>"]
+    text, calls, sent = stream(pieces)
+    assert [c.name for c in calls] == ["add"]
+    assert text == parse_tool_calls("".join(pieces), NAMES)[0] == "Sure."
+    assert all("<" not in s for s in sent)
+
+
+def test_stream_bare_json_is_held_then_parsed_or_released() -> None:
+    _, calls, sent = stream(['{"name": "get_weather", ', '"arguments": {"city": "Rome"}}'])
+    assert sent == ["", ""] and [c.name for c in calls] == ["get_weather"]
+    text, calls, _ = stream(['{"answer"', ": 42}"])
+    assert text == '{"answer": 42}' and calls == []
+
+
+def test_stream_lookalike_tag_is_released() -> None:
+    text, calls, _ = stream(["a <tool", "box> b"])
+    assert text == "a <toolbox> b" and calls == []
