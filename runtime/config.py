@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             type=tp,
             default=default,
             choices=f.metadata.get("choices"),
-            help=f"{help_text} (default: %(default)s)",
+            # A secret's default may come from the environment: never print it in --help.
+            help=help_text if f.metadata.get("secret") else f"{help_text} (default: %(default)s)",
         )
 
 

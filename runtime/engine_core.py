@@ -198,6 +198,9 @@ class EngineCore:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
             prompt_logprobs=req.prompt_logprobs if req.finished and req.wants_prompt_logprobs else None,
+            queue_time=(req.admit_time - req.arrival_time)
+            if req.sent_token_len == 0 and req.sent_text_len == 0 and req.admit_time is not None
+            else None,
         )
         req.sent_text_len = text_end
         req.sent_token_len = len(req.output_ids)

@@ -31,8 +31,10 @@ class KVPool:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self._k = torch.zeros(shape, dtype=dtype, device=device)
-        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
+        # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
+        self._k = torch.empty(shape, dtype=dtype, device=device)
+        self._v = torch.empty(shape, dtype=dtype, device=device)
         self.k = list(self._k.unbind(0))
         self.v = list(self._v.unbind(0))
 

@@ -121,3 +121,5 @@ class ReqOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Seconds from arrival to admission into a batch; set on a request's first message only.
+    queue_time: float | None = None

@@ -11,8 +11,8 @@ from typing import Any
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ServerConfig:
 
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 to accept connections from other machines).")
     port: int = _opt(30000, "TCP port to listen on.")
-    api_key: str = _opt("", "If set, every route but /health needs 'Authorization: Bearer <key>'.")
+    api_key: str = _opt("", "If set, every route but /health needs 'Authorization: Bearer <key>'.", secret=True)
     served_model_name: str = _opt("", "Model name clients use; default: the --model value's last path part.")
     chat_template: str = _opt("", "A Jinja chat template (a file path or the template text) overriding the model's.")
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)

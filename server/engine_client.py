@@ -114,7 +114,7 @@ class RequestGroup:
         now = time.monotonic()
         last = self._last[index]
         if last is None:
-            self.metrics.first_output(now - self._start[index])
+            self.metrics.first_output(now - self._start[index], out.queue_time)
         else:
             self.metrics.next_output(now - last)
         self._last[index] = now

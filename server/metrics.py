@@ -4,8 +4,7 @@ Each app owns its own ``CollectorRegistry`` (several apps can live in one proces
 metrics are recorded by the server from the timestamps of each request's output stream; the gauges are
 refreshed from ``Engine.server_info()`` when /metrics is scraped.
 
-Queue time: the engine does not report when a request was admitted, so the time to its first output (which
-includes the prefill) stands in for it; it is an upper bound of the true queueing delay.
+Queue time is the engine's own measure (arrival to admission into a batch), carried on a request's first output.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ class Metrics:
         )
         self.queue = Histogram(
             f"{PREFIX}request_queue_time_seconds",
-            "Time from arrival to first output (an upper bound of the time spent queued).",
+            "Time from arrival to admission into a running batch.",
             labels,
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -98,9 +97,10 @@ class Metrics:
         )
         self.model_name = model_name
 
-    def first_output(self, seconds: float) -> None:
+    def first_output(self, seconds: float, queue_time: float | None) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
-        self.queue.labels(self.model_name).observe(seconds)
+        if queue_time is not None:
+            self.queue.labels(self.model_name).observe(queue_time)
 
     def next_output(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)
