@@ -40,6 +40,9 @@ class EngineConfig:
     disable_radix_cache: bool = _opt(False, "Turn off prefix caching (for A/B comparisons).")
     max_context_len: int = _opt(0, "Longest prompt + output; 0 takes the model's max_position_embeddings.")
     seed: int = _opt(0, "Seed of the engine's own random state (requests without a seed draw from it).")
+    disable_jump_forward: bool = _opt(False, "Sample grammar-forced tokens one by one instead of appending them.")
+    grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
+    grammar_workers: int = _opt(2, "Threads compiling grammars (off the engine loop).")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -60,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_context_len < 0:
             raise ValueError("--max-context-len must be >= 0")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("--grammar-compile-timeout must be > 0 seconds")
+        if self.grammar_workers < 1:
+            raise ValueError("--grammar-workers must be >= 1")
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> type:

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from constrained import CompiledGrammar, ConstraintSpec
 from runtime.attention import TorchReferenceBackend
 from runtime.config import EngineConfig
 from runtime.engine_core import EngineCore
+from runtime.grammar import GrammarSupport
 from runtime.kv_pool import KVPool, available_memory_bytes
 from runtime.loader import load_model
 from runtime.model_runner import ModelRunner
@@ -85,6 +87,13 @@ class Engine:
         self.core = EngineCore(
             config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len
         )
+        self.grammar = GrammarSupport(
+            loaded.tokenizer,
+            args.vocab_size,
+            sorted(loaded.eos_token_ids),
+            workers=config.grammar_workers,
+            timeout_s=config.grammar_compile_timeout,
+        )
         self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._unfinished = 0
@@ -102,11 +111,17 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def compile(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
+        """Start compiling a constraint (or take it from the cache). Callers that want a compile error before
+        submitting (the HTTP server, to answer 400) wait on this future; ``submit`` reuses the same compilation."""
+        return self.grammar.compile(spec)
+
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, rid: str | None = None) -> str:
         """Queue one request; ``sink`` receives its ``ReqOutput`` messages on the engine thread (keep it cheap).
 
         Raises ``ValueError`` for a request that can never be served and ``EngineOverloadedError`` when the
-        queue is full.
+        queue is full. A constrained request waits in the grammar queue while its grammar compiles; a compile
+        failure finishes it with an error.
         """
         if not self.alive:
             raise EngineDeadError(self.error or "the engine has shut down")
@@ -119,7 +134,12 @@ class Engine:
                 )
             self._unfinished += 1
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self._inbox.put(("add", Req(rid, prompt, params), sink))
+        req = Req(rid, prompt, params)
+        if params.constraint is not None:
+            req.grammar_future = self.grammar.compile(params.constraint)
+            if not req.grammar_future.done():
+                req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None, None)))
+        self._inbox.put(("add", req, sink))
         return rid
 
     def abort(self, rid: str) -> None:
@@ -190,6 +210,7 @@ class Engine:
                 "num_waiting_requests": len(core.scheduler.waiting),
                 "kv_cache": core.kv_usage(),
                 "cache_stats": {**core.stats.as_dict(), "evicted_tokens": core.cache.evicted_tokens},
+                "grammar": {"queue": len(core.grammar_queue), **self.grammar.info()},
                 "max_context_len": self.max_context_len,
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -205,6 +226,7 @@ class Engine:
         self._stop.set()
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
+        self.grammar.close()
 
     # --- engine thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:

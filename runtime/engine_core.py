@@ -46,6 +46,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.cache)
         self.stats = EngineStats()
         self._by_rid: dict[str, Req] = {}
+        # Constrained requests whose grammar is still compiling; they join the scheduler when it is ready.
+        self.grammar_queue: list[Req] = []
+        self.jump_forward = not config.disable_jump_forward
 
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
@@ -76,7 +79,30 @@ class EngineCore:
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
         req.stop_checker = StopChecker(req.params.stop) if req.params.stop else None
         self._by_rid[req.rid] = req
-        self.scheduler.add(req)
+        if req.grammar_future is not None:
+            self.grammar_queue.append(req)
+        else:
+            self.scheduler.add(req)
+
+    def poll_grammars(self) -> list[ReqOutput]:
+        """Move requests whose grammar finished compiling into the scheduler; fail those whose compile failed."""
+        outputs: list[ReqOutput] = []
+        still: list[Req] = []
+        for req in self.grammar_queue:
+            fut = req.grammar_future
+            if not fut.done():
+                still.append(req)
+                continue
+            req.grammar_future = None
+            exc = fut.exception()
+            if exc is not None:
+                req.finish_reason, req.error = FinishReason.ERROR, f"invalid constraint: {exc}"
+                outputs.append(self._finish(req))
+            else:
+                req.grammar = fut.result().new_matcher()
+                self.scheduler.add(req)
+        self.grammar_queue = still
+        return outputs
 
     def abort(self, rid: str) -> ReqOutput | None:
         req = self._by_rid.get(rid)
@@ -84,23 +110,27 @@ class EngineCore:
             return None
         req.finish_reason = FinishReason.ABORT
         self.stats.requests_aborted += 1
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
         return self._finish(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Whether ``step`` has something to compute now (compiling grammars wake the loop when done)."""
+        return self.scheduler.has_work() or any(r.grammar_future.done() for r in self.grammar_queue)
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        outputs = self.poll_grammars() if self.grammar_queue else []
         plan = self.scheduler.schedule()
         if plan is None:
-            return []
+            return outputs
         try:
             result = self.runner.run(plan)
         except Exception as exc:  # noqa: BLE001 - a model fault fails this batch, not the engine
             logger.exception("model step failed; failing the %d requests of the batch", len(plan.chunks))
             return self._fail_batch(plan, f"model step failed: {type(exc).__name__}: {exc}")
         self.stats.forward_steps += 1
-        outputs = self._apply(plan, result)
+        outputs += self._apply(plan, result)
         if self.check_integrity:
             self.cache.check(self.scheduler.holders())
         return outputs
@@ -144,7 +174,19 @@ class EngineCore:
                 return self._finish(req)
             return None
         self._append_token(req, token, result.logprobs[i], now)
+        if not req.finished and req.grammar is not None and self.jump_forward and not req.params.return_logprob:
+            self._jump_forward(req, now)
         return self._finish(req) if req.finished else self._delta(req)
+
+    def _jump_forward(self, req: Req, now: float) -> None:
+        """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the
+        next step's chunk (``total - num_computed > 1`` makes it an extend), which also samples what follows."""
+        for token in req.grammar.forced_tokens():
+            if req.finished:
+                return
+            self._append_token(req, token, None, now)
+            req.num_forced_tokens += 1
+            self.stats.forced_tokens += 1
 
     def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
         if req.first_token_time is None:
@@ -153,6 +195,8 @@ class EngineCore:
         self.stats.generated_tokens += 1
         if logprob is not None:
             req.output_logprobs.append(logprob)
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            raise RuntimeError(f"token {token} was sampled outside the request's grammar")
         params = req.params
         n_out = len(req.output_ids)
         prev_len = len(req.detok.text)
@@ -169,6 +213,8 @@ class EngineCore:
             token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
         ):
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
+        elif req.grammar is not None and req.grammar.is_terminated():
+            req.finish_reason = FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
         elif n_out >= params.max_new_tokens or req.total >= self.max_context_len:
             req.finish_reason = FinishReason.LENGTH
         if req.finished:

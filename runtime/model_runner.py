@@ -10,6 +10,7 @@ import torch
 
 from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext
 from runtime.batch import BatchPlan, StepResult
+from runtime.grammar import grammar_mask
 from runtime.kv_pool import KVPool
 from runtime.models.llama import LlamaForCausalLM
 from runtime.request import TokenLogprob
@@ -68,11 +69,9 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), meta
 
     @torch.inference_mode()
-    def run(self, plan: BatchPlan, allowed: torch.Tensor | None = None) -> StepResult:
-        """One forward pass over the plan; samples for every chunk with ``sample`` set.
-
-        ``allowed`` (optional ``[num_sampled, vocab]`` bool) restricts the sampled rows, in plan order.
-        """
+    def run(self, plan: BatchPlan) -> StepResult:
+        """One forward pass over the plan; samples for every chunk with ``sample`` set, under the grammar of
+        each constrained request."""
         input_ids, positions, meta = self.build_metadata(plan)
         hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
 
@@ -97,6 +96,7 @@ class ModelRunner:
         if sample_idx:
             logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
             reqs = [plan.chunks[i].req for i in sample_idx]
+            allowed = grammar_mask(reqs, logits.shape[1], self.device)
             try:
                 out = self.sampler.sample(logits, reqs, allowed)
             except ValueError:

@@ -67,6 +67,10 @@ class Req:
         self.prompt_logprobs: list[TokenLogprob] = []
         self.generator: Any = None  # torch.Generator, created by the sampler on first use (seeded when asked)
         self.num_retractions = 0
+        # Grammar matcher state (a constrained.Matcher) and the compile future it comes from.
+        self.grammar: Any = None
+        self.grammar_future: Any = None
+        self.num_forced_tokens = 0
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from constrained import ConstraintSpec
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -34,6 +38,8 @@ class SamplingParams:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     skip_special_tokens: bool = True
+    # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.
+    constraint: ConstraintSpec | None = None
 
     @property
     def greedy(self) -> bool:

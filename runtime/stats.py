@@ -14,6 +14,7 @@ class EngineStats:
     generated_tokens: int = 0
     forward_steps: int = 0
     retractions: int = 0
+    forced_tokens: int = 0  # appended by jump-forward, without a forward pass of their own
 
     @property
     def cache_hit_rate(self) -> float:

@@ -1,0 +1,266 @@
+"""The backend interface and the default backend, llguidance.
+
+A backend turns a ``ConstraintSpec`` into a ``CompiledGrammar`` (immutable, shared by every request with the same
+spec) whose ``new_matcher()`` gives each request its own ``Matcher`` (the parse state).
+
+Matcher invariants (every backend):
+  * ``fill_bitmask`` sets exactly the bits of the tokens that keep the output a prefix of some string of the
+    grammar, plus the EOS ids where the grammar may end; never a special or padding id otherwise;
+  * ``accept_token`` returns False and leaves the state unchanged for a token the mask did not allow;
+  * ``is_terminated()``: the grammar is complete and nothing but EOS may follow (the request is done);
+    ``can_terminate()``: EOS is allowed now;
+  * ``forced_tokens()`` are tokens that every continuation starts with, tokenized canonically, never special;
+    they are a suggestion: the caller appends them with ``accept_token`` (or not) and the state only moves then;
+  * ``rollback(n)`` undoes the last ``n`` accepted tokens, ``0 <= n <= num_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import Any, Protocol
+
+import llguidance
+import torch
+
+from constrained import json_schema
+from constrained.spec import ConstraintSpec, GrammarError, pointer_join
+from constrained.tokenizer import TokenizerInfo
+
+_SPEC_FORMATS = (
+    "date-time",
+    "time",
+    "date",
+    "duration",
+    "email",
+    "idn-email",
+    "hostname",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "iri",
+    "iri-reference",
+    "uuid",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+    "regex",
+)
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+
+
+class Matcher(Protocol):
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+    def can_terminate(self) -> bool: ...
+    def forced_tokens(self) -> list[int]: ...
+    def rollback(self, num_tokens: int) -> None: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class CompiledGrammar(Protocol):
+    key: str
+
+    def new_matcher(self) -> Matcher: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+        """Blocking compilation; raises ``GrammarError``. Safe to call from several threads at once."""
+        ...
+
+
+@lru_cache(maxsize=1)
+def llguidance_formats() -> frozenset[str]:
+    """The JSON-schema ``format`` values llguidance enforces (the others are annotations, see json_schema.py)."""
+    ok = set()
+    for fmt in _SPEC_FORMATS:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": fmt})
+        if llguidance.LLMatcher.validate_grammar(grammar) == "":
+            ok.add(fmt)
+    return frozenset(ok)
+
+
+def check_bitmask(bitmask: torch.Tensor, words: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.device.type != "cpu":
+        raise ValueError(f"bitmask must be a 2-D int32 CPU tensor, got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if bitmask.shape[1] < words or bitmask.stride(1) != 1:
+        raise ValueError(f"bitmask rows must be contiguous with at least {words} int32 words")
+
+
+class LLGuidanceMatcher:
+    """Per-request parse state over one llguidance grammar. Not thread-safe: one request, one thread."""
+
+    def __init__(self, info: TokenizerInfo, matcher: llguidance.LLMatcher) -> None:
+        self._info = info
+        self._m = matcher
+        self._accepted = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._accepted
+
+    @property
+    def ll_matcher(self) -> llguidance.LLMatcher:
+        return self._m
+
+    @property
+    def words(self) -> int:
+        """int32 words of this matcher's bitmask row."""
+        return self._info.bitmask_words
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = self._info.bitmask_words
+        check_bitmask(bitmask, words)
+        self._m.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+        if bitmask.shape[1] > words:
+            bitmask[row, words:] = 0
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._m.is_stopped():
+            return token_id in self._info.eos_token_ids  # EOS after completion changes nothing
+        if self._m.try_consume_tokens([int(token_id)]) != 1:
+            return False
+        self._accepted += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def can_terminate(self) -> bool:
+        return self._m.is_accepting()
+
+    def forced_tokens(self) -> list[int]:
+        if self._m.is_stopped():
+            return []
+        out = []
+        for tok in self._m.compute_ff_tokens():
+            if tok in self._info.special_ids:
+                break  # e.g. "<|im_end|>" as forced text: the model spells it with text tokens
+            out.append(tok)
+        return out
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens; {self._accepted} were accepted")
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
+        self._accepted -= num_tokens
+
+
+class LLGuidanceGrammar:
+    """A compiled llguidance grammar: a pristine matcher that every request's matcher is copied from."""
+
+    def __init__(self, key: str, info: TokenizerInfo, template: llguidance.LLMatcher) -> None:
+        self.key = key
+        self._info = info
+        self._template = template
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._info, self._template.deep_copy())
+
+
+class LLGuidanceBackend:
+    """llguidance: lazy lexer + Earley parser, ~30 us per mask, errors instead of ignoring keywords.
+
+    ``json_max_whitespace``: 0 (default) is compact JSON (``,`` and ``:`` without spaces, as
+    ``json.dumps(separators=(",", ":"))``); N > 0 allows up to N whitespace characters between tokens, so no
+    model can loop on whitespace either way. ``limits`` bound the work of one compilation and one mask.
+    """
+
+    name = "llguidance"
+
+    def __init__(
+        self,
+        info: TokenizerInfo,
+        *,
+        json_max_whitespace: int = 0,
+        limits: llguidance.LLParserLimits | None = None,
+    ) -> None:
+        if json_max_whitespace < 0:
+            raise ValueError("json_max_whitespace must be >= 0")
+        self.info = info
+        self.limits = limits or llguidance.LLParserLimits(verbose_errors=False)
+        self.json_options: dict[str, Any] = {
+            "item_separator": ",",
+            "key_separator": ":",
+            "whitespace_flexible": json_max_whitespace > 0,
+            "coerce_one_of": False,
+            "lenient": False,
+        }
+        if json_max_whitespace:
+            self.json_options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{json_max_whitespace}}}"
+
+    def grammar_text(self, spec: ConstraintSpec) -> str:
+        """The llguidance grammar for ``spec`` (JSON schemas rewritten first); raises ``GrammarError``."""
+        spec.validate()
+        if spec.kind == "json_schema":
+            prepared = json_schema.rewrite_schema(spec.value, llguidance_formats())
+            return llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
+        if spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=self.json_options)
+        if spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.value)
+        if spec.kind == "choice":
+            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value)
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        try:
+            return llguidance.grammar_from("grammar", spec.value)
+        except ValueError as exc:
+            raise GrammarError(f"invalid grammar: {exc}") from None
+
+    def compile(self, spec: ConstraintSpec) -> LLGuidanceGrammar:
+        grammar = self.grammar_text(spec)
+        matcher = llguidance.LLMatcher(self.info.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise _error(spec, matcher.get_error())
+        return LLGuidanceGrammar(spec.key, self.info, matcher)
+
+
+def _error(spec: ConstraintSpec, message: str) -> GrammarError:
+    """A ``GrammarError`` for an llguidance failure, with the JSON pointer when it can be found."""
+    message = message.strip()
+    if spec.kind == "regex":
+        return GrammarError(f"invalid regex: {message}")
+    if spec.kind == "grammar":
+        return GrammarError(f"invalid grammar: {message}")
+    if spec.kind != "json_schema":
+        return GrammarError(message, kind="internal")
+    if "regex parse error" in message or "invalid regex" in message:
+        found = _bad_pattern(spec.value)
+        if found:
+            return GrammarError.invalid_schema(found[0], f"pattern {found[1]!r} is not supported: {message}", "pattern")
+    m = _UNIMPLEMENTED.search(message)
+    if m:
+        return GrammarError.unsupported(m.group(1), "", message)
+    too_big = ("too large", "stack level", "circular references", "Failed to generate", "too complex")
+    kind = "too_complex" if any(s in message for s in too_big) else "invalid"
+    return GrammarError(f"JSON schema cannot be compiled: {message}", kind=kind)
+
+
+def _bad_pattern(schema: Any) -> tuple[str, str] | None:
+    """(pointer, pattern) of the first ``pattern`` / ``patternProperties`` regex llguidance rejects."""
+    stack: list[tuple[str, Any]] = [("", schema)]
+    while stack:
+        ptr, node = stack.pop()
+        if isinstance(node, dict):
+            found = []
+            if isinstance(node.get("pattern"), str):
+                found.append((pointer_join(ptr, "pattern"), node["pattern"]))
+            if isinstance(node.get("patternProperties"), dict):
+                found += [(pointer_join(ptr, "patternProperties", p), p) for p in node["patternProperties"]]
+            for where, pattern in found:
+                probe = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "pattern": pattern})
+                if llguidance.LLMatcher.validate_grammar(probe):
+                    return where, pattern
+            stack.extend((pointer_join(ptr, k), v) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((pointer_join(ptr, i), v) for i, v in enumerate(node))
+    return None

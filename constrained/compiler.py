@@ -1,0 +1,238 @@
+"""Grammar compilation off the hot path: an LRU cache in front of a bounded worker pool with a per-compile timeout.
+
+Why threads and how a stuck compile is contained: llguidance compiles in Rust with the GIL released, and it cannot
+be interrupted. Its own limits (``LLParserLimits``: lexer fuel, grammar size, lexer states, Earley items) bound
+the work of any one compilation, so no compile runs forever. On top of that, the timeout is enforced here without
+waiting for the compile: at the deadline the caller's future fails with ``GrammarError(kind="timeout")`` and the
+worker slot is handed to the next job at once; the abandoned compile finishes in the background and its result is
+dropped. At most ``max_abandoned`` such compiles may still be running; past that new jobs wait, so a flood of
+pathological schemas cannot spawn unbounded threads. A process pool would make compiles killable, but a compiled
+llguidance grammar cannot cross a process boundary, so the work would be done twice.
+
+Invariants:
+  * one compile per key at a time: concurrent submits of the same spec share it (each gets its own future);
+  * the cache holds compiled grammars and deterministic errors (invalid / unsupported: resubmitting fails fast);
+    timeouts are remembered for ``error_ttl_s`` only, since a busy machine may be the cause;
+  * at most ``max_workers`` compiles count as running; the timeout clock starts when a compile starts, not while
+    it waits in the queue (the engine bounds queueing through its own request limits);
+  * futures are completed outside the lock, so callbacks may call ``submit`` again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from constrained.backend import CompiledGrammar, GrammarBackend, LLGuidanceBackend
+from constrained.spec import ConstraintSpec, GrammarError
+from constrained.tokenizer import TokenizerInfo
+
+Delivery = tuple[list["Future[CompiledGrammar]"], CompiledGrammar | None, GrammarError | None]
+
+
+@dataclass(eq=False)
+class _Job:
+    key: str
+    spec: ConstraintSpec
+    waiters: list[Future[CompiledGrammar]] = field(default_factory=list)
+    deadline: float = 0.0
+    timed_out: bool = False
+
+
+@dataclass
+class CompilerStats:
+    hits: int = 0
+    misses: int = 0
+    compiled: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    compile_seconds: float = 0.0
+
+
+class GrammarCompiler:
+    """Compiles ``ConstraintSpec``s for one tokenizer; ``submit`` never blocks on a compilation."""
+
+    def __init__(
+        self,
+        tokenizer_info: TokenizerInfo,
+        max_workers: int = 2,
+        cache_size: int = 256,
+        timeout_s: float = 10.0,
+        *,
+        backend: GrammarBackend | None = None,
+        max_abandoned: int | None = None,
+        error_ttl_s: float = 60.0,
+    ) -> None:
+        if max_workers < 1 or cache_size < 1 or timeout_s <= 0:
+            raise ValueError("max_workers and cache_size must be >= 1 and timeout_s > 0")
+        self.backend: GrammarBackend = backend or LLGuidanceBackend(tokenizer_info)
+        self.max_workers = max_workers
+        self.cache_size = cache_size
+        self.timeout_s = timeout_s
+        self.max_abandoned = max_workers if max_abandoned is None else max_abandoned
+        self.error_ttl_s = error_ttl_s
+        self.stats = CompilerStats()
+        self._cache: OrderedDict[str, tuple[CompiledGrammar | GrammarError, float]] = OrderedDict()
+        self._inflight: dict[str, _Job] = {}
+        self._queue: deque[_Job] = deque()
+        self._running: set[_Job] = set()
+        self._abandoned = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers + self.max_abandoned, thread_name_prefix="grammar-compile")
+        self._scheduler = threading.Thread(target=self._schedule, name="grammar-scheduler", daemon=True)
+        self._scheduler.start()
+
+    # ------------------------------------------------------------------ public
+    def submit(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
+        """A future for the compiled grammar: already done on a cache hit, else completed by a worker.
+
+        The future fails with ``GrammarError`` for an invalid or unsupported spec, or a compile timeout.
+        """
+        fut: Future[CompiledGrammar] = Future()
+        try:
+            spec.validate()
+        except GrammarError as exc:
+            fut.set_exception(exc)
+            return fut
+        key = hashlib.sha256(spec.key.encode("utf-8")).hexdigest()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("GrammarCompiler is closed")
+            hit = self._lookup(key)
+            if hit is not None:
+                self.stats.hits += 1
+            else:
+                self.stats.misses += 1
+                job = self._inflight.get(key)
+                if job is None:
+                    job = self._inflight[key] = _Job(key, spec)
+                    self._queue.append(job)
+                    self._cond.notify_all()
+                job.waiters.append(fut)
+                return fut
+        if isinstance(hit, GrammarError):
+            fut.set_exception(hit)
+        else:
+            fut.set_result(hit)
+        return fut
+
+    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+        """Blocking convenience: ``submit(spec).result()`` (raises ``GrammarError``)."""
+        return self.submit(spec).result()
+
+    def info(self) -> dict[str, Any]:
+        """Counters and queue depths, for metrics and /server_info."""
+        with self._cond:
+            return {
+                **vars(self.stats),
+                "cached": len(self._cache),
+                "queued": len(self._queue),
+                "running": len(self._running),
+                "abandoned": self._abandoned,
+            }
+
+    def close(self) -> None:
+        """Stop the scheduler; queued jobs fail, running ones are left to finish."""
+        with self._cond:
+            self._closed = True
+            queued = [w for job in self._queue for w in job.waiters]
+            self._queue.clear()
+            self._cond.notify_all()
+        _deliver([(queued, None, GrammarError("the grammar compiler was shut down", kind="internal"))])
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- internal
+    def _lookup(self, key: str) -> CompiledGrammar | GrammarError | None:
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        value, expires = entry
+        if expires and time.monotonic() >= expires:
+            del self._cache[key]
+            return None
+        self._cache.move_to_end(key)
+        return value
+
+    def _store(self, key: str, value: CompiledGrammar | GrammarError, ttl: float = 0.0) -> None:
+        self._cache[key] = (value, time.monotonic() + ttl if ttl else 0.0)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def _schedule(self) -> None:
+        while True:
+            deliveries: list[Delivery] = []
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for job in [j for j in self._running if j.deadline <= now]:
+                    deliveries.append(self._expire(job))
+                while self._queue and len(self._running) < self.max_workers and self._abandoned < self.max_abandoned:
+                    job = self._queue.popleft()
+                    if all(w.cancelled() for w in job.waiters):
+                        del self._inflight[job.key]
+                        continue
+                    job.deadline = now + self.timeout_s
+                    self._running.add(job)
+                    self._pool.submit(self._run, job)
+                if not deliveries:
+                    nearest = min((j.deadline for j in self._running), default=None)
+                    self._cond.wait(None if nearest is None else max(0.0, nearest - now))
+            _deliver(deliveries)
+
+    def _expire(self, job: _Job) -> Delivery:
+        job.timed_out = True
+        self._running.discard(job)
+        self._inflight.pop(job.key, None)
+        self._abandoned += 1
+        self.stats.timeouts += 1
+        error = GrammarError(f"compile timeout after {self.timeout_s:g} s", kind="timeout")
+        self._store(job.key, error, ttl=self.error_ttl_s)
+        return job.waiters, None, error
+
+    def _run(self, job: _Job) -> None:
+        start = time.monotonic()
+        result: CompiledGrammar | None = None
+        error: GrammarError | None = None
+        try:
+            result = self.backend.compile(job.spec)
+        except GrammarError as exc:
+            error = exc
+        except Exception as exc:  # a backend bug must fail the request, not the scheduler
+            error = GrammarError(f"internal error while compiling: {type(exc).__name__}: {exc}", kind="internal")
+        with self._cond:
+            self.stats.compile_seconds += time.monotonic() - start
+            if job.timed_out:
+                self._abandoned -= 1
+                self._cond.notify_all()
+                return
+            self._running.discard(job)
+            self._inflight.pop(job.key, None)
+            if error is None:
+                self.stats.compiled += 1
+                self._store(job.key, result)
+            else:
+                self.stats.errors += 1
+                if error.kind in ("invalid", "unsupported", "too_complex"):
+                    self._store(job.key, error)
+            self._cond.notify_all()
+        _deliver([(job.waiters, result, error)])
+
+
+def _deliver(deliveries: list[Delivery]) -> None:
+    for waiters, result, error in deliveries:
+        for fut in waiters:
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+            except InvalidStateError:  # the caller cancelled it
+                pass

@@ -1,0 +1,143 @@
+"""What a request asks to be constrained to (``ConstraintSpec``) and the one error type of this package.
+
+Invariants:
+  * ``ConstraintSpec.key`` is a pure function of (kind, meaning of value): two specs that differ only in JSON key
+    order or in how a JSON schema was spelled as text (dict vs string) have the same key, so the compiled-grammar
+    cache hits across them;
+  * ``validate()`` only checks the shape of ``value`` (cheap, synchronous); whether a schema, regex or grammar can
+    be compiled is found out by the compiler and reported as a ``GrammarError`` on its future.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, get_args
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+ErrorKind = Literal["invalid", "unsupported", "timeout", "too_complex", "internal"]
+
+CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
+# Upper bound on the text of one constraint, so a request cannot make the compiler parse megabytes.
+MAX_SPEC_CHARS = 1 << 20
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled or enforced; maps to an HTTP 400.
+
+    ``kind`` says why: ``invalid`` (malformed schema / regex / grammar), ``unsupported`` (a JSON-schema keyword
+    that cannot be enforced exactly: never silently dropped), ``timeout`` (compilation ran past the limit),
+    ``too_complex`` (a backend resource limit), ``internal``. ``keyword`` and ``pointer`` (an RFC 6901 JSON
+    pointer into the user's schema, ``""`` for the root) locate a JSON-schema problem when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: ErrorKind = "invalid",
+        keyword: str | None = None,
+        pointer: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.keyword = keyword
+        self.pointer = pointer
+
+    @classmethod
+    def unsupported(cls, keyword: str, pointer: str, why: str) -> GrammarError:
+        where = pointer or "/"
+        return cls(
+            f"unsupported JSON-schema keyword {keyword!r} at {where}: {why}",
+            kind="unsupported",
+            keyword=keyword,
+            pointer=pointer,
+        )
+
+    @classmethod
+    def invalid_schema(cls, pointer: str, why: str, keyword: str | None = None) -> GrammarError:
+        where = pointer or "/"
+        return cls(f"invalid JSON schema at {where}: {why}", kind="invalid", keyword=keyword, pointer=pointer)
+
+
+def pointer_join(pointer: str, *tokens: str | int) -> str:
+    """``pointer`` extended by reference tokens, escaped per RFC 6901 (``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    for tok in tokens:
+        pointer += "/" + str(tok).replace("~", "~0").replace("/", "~1")
+    return pointer
+
+
+def canonical_json(value: Any) -> str:
+    """Compact JSON with sorted keys: equal JSON values give equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_schema(value: Any) -> dict[str, Any] | bool:
+    if isinstance(value, str | bytes):
+        try:
+            value = json.loads(value, parse_constant=_reject_constant)
+        except ValueError as exc:
+            raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(value, dict | bool):
+        raise GrammarError(f"json_schema must be a JSON object or boolean, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """One constraint: ``kind`` and its ``value``.
+
+    * ``json_schema``: a schema as a dict, bool, or JSON text (parsed here);
+    * ``json_object``: any JSON object; ``value`` is ignored (use None);
+    * ``regex``: the pattern text (Rust ``regex`` syntax, matched against the whole output);
+    * ``choice``: a non-empty sequence of non-empty strings; the output is exactly one of them;
+    * ``grammar``: a context-free grammar in Lark syntax (llguidance dialect) or GBNF/EBNF.
+    """
+
+    kind: ConstraintKind
+    value: Any = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise GrammarError(f"unknown constraint kind {self.kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
+        if self.kind == "json_schema":
+            object.__setattr__(self, "value", _parse_schema(self.value))
+            try:  # primes ``key`` and rejects values JSON cannot carry (NaN, sets, objects)
+                object.__setattr__(self, "key", f"json_schema:{canonical_json(self.value)}")
+            except (TypeError, ValueError) as exc:
+                raise GrammarError(f"json_schema is not a JSON value: {exc}") from None
+        elif self.kind == "choice" and isinstance(self.value, Sequence) and not isinstance(self.value, str):
+            object.__setattr__(self, "value", tuple(self.value))
+
+    def validate(self) -> None:
+        """Raise ``GrammarError`` when ``value`` does not have the shape ``kind`` needs (no compilation)."""
+        if self.kind in ("regex", "grammar"):
+            if not isinstance(self.value, str) or not self.value.strip():
+                raise GrammarError(f"{self.kind} must be a non-empty string")
+        elif self.kind == "choice":
+            if not isinstance(self.value, tuple) or not self.value:
+                raise GrammarError("choice must be a non-empty list of strings")
+            for i, item in enumerate(self.value):
+                if not isinstance(item, str) or not item:
+                    raise GrammarError(f"choice[{i}] must be a non-empty string, got {item!r}")
+        if len(self.key) > MAX_SPEC_CHARS:
+            raise GrammarError(f"{self.kind} is {len(self.key)} characters long; the limit is {MAX_SPEC_CHARS}")
+
+    @cached_property
+    def key(self) -> str:
+        """Canonical text of this spec, the compiled-grammar cache key."""
+        if self.kind == "json_schema":
+            body = canonical_json(self.value)
+        elif self.kind == "json_object":
+            body = ""
+        elif self.kind == "choice":
+            body = json.dumps(list(self.value) if isinstance(self.value, tuple) else self.value, ensure_ascii=False)
+        else:
+            body = self.value if isinstance(self.value, str) else repr(self.value)
+        return f"{self.kind}:{body}"

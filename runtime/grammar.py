@@ -1,0 +1,72 @@
+"""The engine's side of constrained decoding: one grammar compiler per model, and the per-step mask.
+
+The compiler (``constrained.GrammarCompiler``) runs on its own worker threads; the engine thread only ever polls
+finished futures, so a slow or failing compile never blocks a step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from constrained import (
+    CompiledGrammar,
+    ConstraintSpec,
+    GrammarCompiler,
+    TokenizerInfo,
+    allocate_bitmask,
+    bitmask_to_bool,
+    fill_bitmasks,
+)
+from runtime.request import Req
+
+
+class GrammarSupport:
+    """Builds the tokenizer's grammar vocabulary and the compiler on first use (most deployments never pay)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], workers: int, timeout_s: float):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._workers = workers
+        self._timeout_s = timeout_s
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = TokenizerInfo.from_hf(self._tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos)
+                self._compiler = GrammarCompiler(info, max_workers=self._workers, timeout_s=self._timeout_s)
+            return self._compiler
+
+    def compile(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
+        """A future compiled grammar; fails with ``constrained.GrammarError`` (a ``ValueError``)."""
+        return self.compiler.submit(spec)
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return self._compiler.info() if self._compiler is not None else {}
+
+    def close(self) -> None:
+        with self._lock:
+            if self._compiler is not None:
+                self._compiler.close()
+
+
+def grammar_mask(reqs: Sequence[Req], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``[len(reqs), vocab]`` bool mask of allowed next tokens, or ``None`` when no request is constrained.
+
+    Rows of unconstrained requests allow everything; constrained rows are filled in one batched call.
+    """
+    rows = [(req.grammar, i) for i, req in enumerate(reqs) if req.grammar is not None]
+    if not rows:
+        return None
+    bitmask = allocate_bitmask(len(reqs), vocab)
+    fill_bitmasks(rows, bitmask)
+    return bitmask_to_bool(bitmask, vocab, device)
