@@ -6,15 +6,20 @@ never touches the slot allocator.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext
+from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext, PrefixGroup
 from runtime.batch import BatchPlan, StepResult
 from runtime.grammar import grammar_mask
 from runtime.kv_pool import KVPool
 from runtime.models.llama import LlamaForCausalLM
 from runtime.request import TokenLogprob
 from runtime.sampler import Sampler, token_logprobs
+
+# Below this many shared tokens, attending to a prefix separately costs more than it saves.
+MIN_SHARED_PREFIX = 64
 
 
 class ModelRunner:
@@ -52,7 +57,9 @@ class ModelRunner:
                 kv = self._tensor(req.slots[:e]) if s > 0 else None
                 extends.append(ExtendSeq(q_start=len(input_ids) - (e - s), q_len=e - s, kv_len=e, kv_slots=kv))
         decode_slots = decode_mask = None
+        groups: tuple[PrefixGroup, ...] = ()
         if decode_tables:
+            decode_tables, groups = self._prefix_groups(decode_tables)
             lens = [len(t) for t in decode_tables]
             width = max(lens)
             pad = decode_tables[0][0]
@@ -65,8 +72,28 @@ class ModelRunner:
             decode_slots=decode_slots,
             decode_mask=decode_mask,
             extends=tuple(extends),
+            prefix_groups=groups,
         )
         return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _prefix_groups(self, tables: list[list[int]]) -> tuple[list[list[int]], tuple[PrefixGroup, ...]]:
+        """Find decode rows that share a long prefix of KV slots (the radix cache gives shared prompts the same
+        slots) and cut that prefix out of their tables; the backend attends to it once per group."""
+        by_first: dict[int, list[int]] = {}
+        for i, table in enumerate(tables):
+            by_first.setdefault(table[0], []).append(i)
+        out = list(tables)
+        groups: list[PrefixGroup] = []
+        for rows in by_first.values():
+            if len(rows) < 2:
+                continue
+            shared = len(os.path.commonprefix([tables[i] for i in rows]))
+            if shared < MIN_SHARED_PREFIX:
+                continue
+            for i in rows:
+                out[i] = tables[i][shared:]
+            groups.append(PrefixGroup(rows=self._tensor(rows), prefix_slots=self._tensor(tables[rows[0]][:shared])))
+        return out, tuple(groups)
 
     @torch.inference_mode()
     def run(self, plan: BatchPlan) -> StepResult:

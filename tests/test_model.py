@@ -63,3 +63,39 @@ def test_prefill_chunked_and_decode_match_hf(fixture: str, request: pytest.Fixtu
     h3 = ours(ids[22:], torch.arange(22, 23), _ctx(pool, slots[22:], [], decode=[slots]))
     got = ours.compute_logits(torch.cat([h1, h2, h3]))
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype) -> None:
+    """Cascade decode attention (shared prefix once, merged by log-sum-exp) equals attention over full rows."""
+    from runtime.attention import PrefixGroup
+
+    torch.manual_seed(0)
+    n_kv, heads, d = 2, 6, 16
+    pool = KVPool(400, 1, n_kv, d, dtype, torch.device("cpu"))
+    pool.k[0].copy_(torch.randn(400, n_kv, d))
+    pool.v[0].copy_(torch.randn(400, n_kv, d))
+    prefix = list(range(100, 180))
+    rows = [prefix + list(range(200 + 10 * i, 200 + 10 * i + 1 + i)) for i in range(4)]
+    rows.append(list(range(300, 350)))  # not in the group
+    q = torch.randn(len(rows), heads, d, dtype=dtype)
+
+    def pad(tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(t) for t in tables)
+        slots = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])
+        lens = torch.tensor([len(t) for t in tables])
+        return slots, (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
+
+    backend = TorchReferenceBackend()
+    outs = []
+    for grouped in (False, True):
+        tables = [r[len(prefix):] if grouped and i < 4 else r for i, r in enumerate(rows)]
+        groups = (PrefixGroup(torch.arange(4), torch.tensor(prefix)),) if grouped else ()
+        slots, mask = pad(tables)
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(rows), slots, mask, (), groups)
+        # Write nothing new: out_slots is empty, k/v for this step are empty tensors.
+        empty = torch.zeros(0, n_kv, d, dtype=dtype)
+        outs.append(backend.forward(0, q, empty, empty, meta, pool))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)

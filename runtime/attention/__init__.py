@@ -1,6 +1,13 @@
 """Attention backends behind one small interface; ``TorchReferenceBackend`` is the portable reference."""
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext
+from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext, PrefixGroup
 from runtime.attention.torch_ref import TorchReferenceBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ExtendSeq", "ForwardContext", "TorchReferenceBackend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ExtendSeq",
+    "ForwardContext",
+    "PrefixGroup",
+    "TorchReferenceBackend",
+]

@@ -28,6 +28,18 @@ class ExtendSeq:
 
 
 @dataclass(frozen=True)
+class PrefixGroup:
+    """Decode rows whose sequences start with the same ``prefix_slots`` (a prefix shared through the radix cache).
+
+    Their attention over the shared prefix is computed once against one copy of its K/V; each row's own
+    ``decode_slots`` then hold only the slots after the prefix.
+    """
+
+    rows: torch.Tensor  # [b] int64, indices into the decode rows
+    prefix_slots: torch.Tensor  # [P] int64
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Layout of the ``T`` tokens of one forward pass.
 
@@ -41,6 +53,8 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [Bd, Lmax] int64, padded with any valid slot
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True where a real token sits
     extends: tuple[ExtendSeq, ...]
+    # Shared-prefix groups among the decode rows; a grouped row's decode_slots exclude its group's prefix.
+    prefix_groups: tuple[PrefixGroup, ...] = ()
 
 
 class AttentionBackend(ABC):
