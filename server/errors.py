@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from constrained import GrammarError
 from runtime.engine import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("radixserve.server")
@@ -83,13 +84,21 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def constrained_unsupported(param: str) -> APIError:
-    return APIError(
-        400,
-        f"'{param}' requires constrained decoding, which this server does not support yet",
-        param=param,
-        code="unsupported_parameter",
-    )
+_GRAMMAR_CODES = {
+    "invalid": "invalid_constraint",
+    "unsupported": "unsupported_constraint",
+    "timeout": "constraint_timeout",
+    "too_complex": "constraint_too_complex",
+}
+
+
+def grammar_error(exc: GrammarError, param: str, message: str | None = None) -> APIError:
+    """A constraint that could not be compiled: 400 naming the request field it came from, with a code by
+    ``exc.kind``; a failure inside the compiler itself (``internal``) is a 500."""
+    text = message or str(exc)
+    if exc.kind == "internal":
+        return APIError(500, f"compiling {param} failed: {text}", param=param, code="constraint_internal_error")
+    return APIError(400, f"{param}: {text}", param=param, code=_GRAMMAR_CODES.get(exc.kind, "invalid_constraint"))
 
 
 def from_engine_error(exc: Exception, native: bool = False) -> APIError:

@@ -5,6 +5,11 @@ metrics are recorded by the server from the timestamps of each request's output 
 refreshed from ``Engine.server_info()`` when /metrics is scraped.
 
 Queue time is the engine's own measure (arrival to admission into a batch), carried on a request's first output.
+
+Grammar queue: ``num_requests_waiting_grammar`` counts the requests whose constraint is compiling, both those the
+server awaits before submitting (tracked live here) and those in the engine's own grammar queue (as of the last
+scrape). ``grammar_compiler`` carries the compiler's counters from ``server_info()["grammar"]`` (cache hits and
+misses, compiles, errors, timeouts, compile seconds, cache size), one series per ``stat``.
 """
 
 from __future__ import annotations
@@ -95,7 +100,22 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.grammar_waiting = Gauge(
+            f"{PREFIX}num_requests_waiting_grammar",
+            "Requests waiting for their grammar (JSON schema, regex, ...) to compile.",
+            labels,
+            registry=r,
+        )
+        self.grammar_stats = Gauge(
+            f"{PREFIX}grammar_compiler",
+            "Grammar compiler counters since start (hits, misses, compiled, errors, timeouts, compile_seconds, ...).",
+            [*labels, "stat"],
+            registry=r,
+        )
         self.model_name = model_name
+        self.awaiting_grammar = 0  # compiles the server awaits before submitting (event-loop thread only)
+        self._engine_grammar_queue = 0
+        self.grammar_waiting.labels(model_name).set(0)
 
     def first_output(self, seconds: float, queue_time: float | None) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -120,6 +140,11 @@ class Metrics:
         """A request the server aborted because its client went away (its final output is never read)."""
         self.requests.labels(self.model_name, "abort").inc()
 
+    def grammar_wait(self, delta: int) -> None:
+        """A request started (+1) or stopped (-1) awaiting its grammar's compilation in the server."""
+        self.awaiting_grammar += delta
+        self.grammar_waiting.labels(self.model_name).set(self.awaiting_grammar + self._engine_grammar_queue)
+
     def refresh(self, info: dict[str, Any]) -> None:
         m = self.model_name
         kv = info["kv_cache"]
@@ -128,6 +153,12 @@ class Metrics:
         self.kv_usage.labels(m).set(kv["in_use_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0)
         self.kv_cached.labels(m).set(kv["cached_tokens"])
         self.hit_rate.labels(m).set(info.get("cache_stats", {}).get("cache_hit_rate", 0.0))
+        grammar = dict(info.get("grammar") or {})
+        self._engine_grammar_queue = int(grammar.pop("queue", 0))
+        self.grammar_wait(0)
+        for stat, value in grammar.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.grammar_stats.labels(m, stat).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

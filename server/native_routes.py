@@ -1,4 +1,4 @@
-"""SGLang-style native routes: /generate, /server_info, /flush_cache, /abort_request, /health, /metrics."""
+"""SGLang-style native routes: /generate, /tokenize, /server_info, /flush_cache, /abort_request, /health, /metrics."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from runtime.request import FinishReason
 from runtime.sampling_params import SamplingParams
+from server.chat import normalize_messages
+from server.constraints import compile_constraints, native_constraint
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
 from server.errors import APIError, bad_request, from_engine_error
 from server.logprobs import native_logprobs, prompt_entries
 from server.metrics import CONTENT_TYPE
 from server.params import native_params
-from server.protocol import AbortRequest, GenerateRequest
+from server.protocol import AbortRequest, ChatMessage, GenerateRequest
 from server.state import ServerState
 from server.streaming import DONE, SSEResponse, sse
 from server.tokens import encode
@@ -115,6 +118,9 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep):
         for i in range(len(prompts))
     ]
     rids = _rids(body, len(prompts), single)
+    raws = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
+    constraints = [native_constraint(raw or {}) for raw, p in zip(raws, params) if p.constraint is not None]
+    await compile_constraints(engine, state.metrics, constraints)  # a bad grammar is a 400 before any submit
     group = RequestGroup(engine, state.metrics, state.inflight, native=True)
     group.submit(list(zip(prompts, params, rids)))
     start = time.monotonic()
@@ -146,6 +152,47 @@ async def _stream(
         yield DONE
     finally:
         group.close()
+
+
+class TokenizeRequest(BaseModel):
+    """Text (one string or a batch) or chat messages; give exactly one."""
+
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+@router.post("/tokenize", summary="Token ids of text, or of chat messages rendered through the chat template")
+async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
+    """Text is tokenized as /generate tokenizes it (no special tokens added by default), so the ids returned are
+    the ids /generate would see. With ``messages`` the rendered prompt text comes back too (``prompt``): a client
+    (the lang/ DSL) reads the served model's role markers from it."""
+    engine = state.ready_engine()
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    tokenizer, special = engine.tokenizer, body.add_special_tokens
+    out: dict[str, Any] = {"max_model_len": engine.max_context_len}
+    if body.messages is not None:
+        messages = normalize_messages(body.messages)
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tokenize=False,
+                chat_template=state.chat_template or None,
+            )
+        except Exception as exc:  # noqa: BLE001 - Jinja errors (incl. a template's raise_exception) are the client's
+            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+        out["prompt"], out["tokens"] = text, encode(tokenizer, text, add_special_tokens=special)
+        out["count"] = len(out["tokens"])
+    elif isinstance(body.prompt, str):
+        out["tokens"] = encode(tokenizer, body.prompt, add_special_tokens=special)
+        out["count"] = len(out["tokens"])
+    else:
+        out["tokens"] = [encode(tokenizer, t, add_special_tokens=special) for t in body.prompt or []]
+        out["count"] = [len(t) for t in out["tokens"]]
+    return out
 
 
 async def _engine_call(state: ServerState, fn_name: str) -> Any:

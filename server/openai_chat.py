@@ -1,4 +1,11 @@
-"""``POST /v1/chat/completions``: OpenAI chat completions, streamed or not, with n choices and tool calls."""
+"""``POST /v1/chat/completions``: OpenAI chat completions, streamed or not, with n choices and tool calls.
+
+Tool calls: with ``tool_choice`` "auto" (or absent) they are parsed from the answer's text
+(``server.tool_parser``); with "required" or a named function the output is constrained to the call's JSON
+(``server.tool_calls``), so the message is always ``tool_calls`` (content null, finish_reason "tool_calls",
+or "length" when max_tokens cut it). ``response_format`` and the constraint fields are enforced by a grammar
+(``server.constraints``), compiled before the request is submitted.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +17,23 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from runtime.request import FinishReason, ReqOutput
+from server.constraints import (
+    RequestConstraint,
+    at_most_one,
+    body_constraints,
+    compile_constraints,
+    response_format_constraint,
+)
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
-from server.errors import APIError, bad_request, constrained_unsupported
+from server.errors import APIError, bad_request
 from server.logprobs import chat_logprobs
-from server.params import budget, openai_params, reject_constrained
+from server.params import budget, openai_params
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
 from server.streaming import DONE, SSEResponse, sse
 from server.tokens import encode
+from server.tool_calls import ToolCallScanner, forced_tool_constraint
 from server.tool_parser import ToolCallStream, parse_tool_calls
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
@@ -40,24 +55,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _check_options(req: ChatCompletionRequest) -> None:
-    reject_constrained(req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise constrained_unsupported("response_format")
-    choice = req.tool_choice
-    if choice is not None and choice not in ("none", "auto"):
-        if not req.tools:
-            raise bad_request("tool_choice needs tools: give the tools the model may call", "tool_choice")
-        raise constrained_unsupported("tool_choice")
+def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None, bool]:
+    """``(the request's constraint, whether it forces tool calls)``; at most one constraint per request."""
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    tool = forced_tool_constraint(req)
+    constraint = at_most_one([*body_constraints(req), response_format_constraint(req.response_format), tool])
+    return constraint, tool is not None
 
 
 @router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI-compatible)")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
     state.check_model(body.model)
     engine = state.ready_engine()
-    _check_options(body)
+    constraint, forced = _check_options(body)
     text, parse_tools = state.render_chat(body)
     prompt_ids = encode(engine.tokenizer, text, add_special_tokens=False)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -68,17 +79,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         vocab_size=engine.vocab_size,
         return_logprob=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
+        constraint=constraint.spec if constraint is not None else None,
     )
+    await compile_constraints(engine, state.metrics, [constraint])
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup(engine, state.metrics, state.inflight)
     group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
-    tools = {t.function.name for t in body.tools or []} if parse_tools else set()
+    tools = {t.function.name for t in body.tools or []} if parse_tools and not forced else set()
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(group, body, state, cid, created, tools, include_usage))
+        return SSEResponse(_stream(group, body, state, cid, created, tools, include_usage, forced))
     results = await group.collect(request)
-    choices = [_choice(i, r, body, state, tools) for i, r in enumerate(results)]
+    choices = [_choice(i, r, body, state, tools, forced) for i, r in enumerate(results)]
     return {
         "id": cid,
         "object": "chat.completion",
@@ -89,10 +102,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     }
 
 
-def _choice(index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: set[str]) -> dict:
+def _choice(
+    index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: set[str], forced: bool
+) -> dict:
     reason = finish_reason(res.finish_reason, res.error)
     message: dict[str, Any] = {"role": "assistant", "content": res.text}
-    if tools:
+    if forced:
+        scanner = ToolCallScanner()
+        scanner.feed(res.text)
+        calls = scanner.finish()
+        if calls:  # else (cut before a name was complete) the partial text stays content
+            message = {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}
+            reason = "tool_calls" if scanner.complete else reason
+    elif tools:
         content, calls = parse_tool_calls(res.text, tools)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
@@ -115,9 +137,11 @@ async def _stream(
     created: int,
     tools: set[str],
     include_usage: bool,
+    forced: bool,
 ) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas, a last chunk with finish_reason; then the
-    usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive."""
+    usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive. A forced tool call
+    streams tool-call deltas instead of content: index, id and name first, then argument fragments."""
     names = state.token_names
     assert names is not None
 
@@ -138,15 +162,23 @@ async def _stream(
 
     n = len(group.rids)
     filters = [ToolCallStream(tools) if tools else None for _ in range(n)]
+    scanners = [ToolCallScanner() if forced else None for _ in range(n)]
     finals: list[ReqOutput | None] = [None] * n
     try:
         for i in range(n):
-            yield delta(i, {"role": "assistant", "content": ""})
+            yield delta(i, {"role": "assistant", "content": None if forced else ""})
         async for i, out in group:
             reason = finish_reason(out.finish_reason, out.error) if out.finished else None
+            lps = chat_logprobs(out.logprobs, names) if body.logprobs and out.logprobs else None
+            scanner = scanners[i]
+            if scanner is not None:
+                for event in _forced_deltas(scanner, out, lps, reason):
+                    yield delta(i, *event)
+                if out.finished:
+                    finals[i] = out
+                continue
             filt = filters[i]
             text = filt.feed(out.text) if filt is not None else out.text
-            lps = chat_logprobs(out.logprobs, names) if body.logprobs and out.logprobs else None
             if text or lps:
                 yield delta(i, {"content": text}, lps)
             if not out.finished:
@@ -166,3 +198,25 @@ async def _stream(
         yield DONE
     finally:
         group.close()
+
+
+def _forced_deltas(
+    scanner: ToolCallScanner, out: ReqOutput, lps: Any, reason: str | None
+) -> list[tuple[dict[str, Any], Any, str | None]]:
+    """``(delta, logprobs, finish_reason)`` events of one output of a forced tool call (logprobs on the first)."""
+    events: list[tuple[dict[str, Any], Any, str | None]] = [
+        ({"tool_calls": [d]}, None, None) for d in scanner.feed(out.text)
+    ]
+    if lps:
+        if events:
+            events[0] = (events[0][0], lps, None)
+        else:
+            events.append(({}, lps, None))
+    if out.finished:
+        if not scanner.calls or all(c.name is None for c in scanner.calls):
+            if scanner.text:  # cut before a name was complete: the text is content, as without streaming
+                events.append(({"content": scanner.text}, None, None))
+        elif scanner.complete:
+            reason = "tool_calls"
+        events.append(({}, None, reason))
+    return events

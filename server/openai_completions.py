@@ -2,7 +2,9 @@
 
 Choice ``p * n + j`` is the ``j``-th sample of prompt ``p``, as OpenAI orders them. ``max_tokens`` defaults to
 16 as in OpenAI's API. ``echo`` with ``logprobs`` returns the prompt tokens' log-probabilities too (the first
-prompt token has none), which is how evaluation harnesses score text with ``max_tokens=0``.
+prompt token has none), which is how evaluation harnesses score text with ``max_tokens=0``. The constraint
+fields (``regex``, ``json_schema``, ``ebnf``/``grammar``, ``choices``) apply to every choice of every prompt; the
+grammar is compiled before anything is submitted (see ``server.constraints``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from fastapi import APIRouter, Depends, Request
 
 from runtime.request import ReqOutput
 from runtime.sampling_params import SamplingParams
+from server.constraints import at_most_one, body_constraints, compile_constraints
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
 from server.errors import bad_request
 from server.logprobs import completion_logprobs, prompt_entries
 from server.openai_chat import finish_reason, usage
-from server.params import budget, openai_params, reject_constrained
+from server.params import budget, openai_params
 from server.protocol import CompletionRequest
 from server.state import ServerState
 from server.streaming import DONE, SSEResponse, sse
@@ -61,7 +64,7 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
     state.check_model(body.model)
     engine = state.ready_engine()
-    reject_constrained(body)
+    constraint = at_most_one(body_constraints(body))
     if body.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -85,8 +88,10 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             return_logprob=want_lps,
             top_logprobs=body.logprobs or 0,
             echo_logprobs=body.echo and want_lps,
+            constraint=constraint.spec if constraint is not None else None,
         )
         requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
+    await compile_constraints(engine, state.metrics, [constraint])
     group = RequestGroup(engine, state.metrics, state.inflight)
     group.submit(requests)
     created = int(time.time())

@@ -1,8 +1,8 @@
 """Turn API request parameters into ``SamplingParams``, with 400s that name the parameter a client sent.
 
 The ranges themselves are checked by ``SamplingParams.validate`` (shared with the in-process API); here we
-check what only the server knows: the parameter spelling, the prompt's share of the context, and what needs
-grammar-constrained decoding (refused until the constrained/ package serves it).
+check what only the server knows: the parameter spelling and the prompt's share of the context. A grammar
+constraint (``regex``, ``json_schema``, ...) is read by ``server.constraints`` and set on ``params.constraint``.
 """
 
 from __future__ import annotations
@@ -10,24 +10,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from constrained import ConstraintSpec
 from runtime.sampling_params import SamplingParams
-from server.errors import bad_request, constrained_unsupported, from_engine_error
+from server.constraints import CONSTRAINT_FIELDS, native_constraint
+from server.errors import bad_request, from_engine_error
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
-CONSTRAINED_EXTRAS = ("regex", "json_schema", "ebnf", "choices")
 _NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "return_logprob",
     "top_logprobs_num",
     "logprob_start_len",
+    "constraint",  # set from the constraint fields (regex, json_schema, ...), never as a raw value
 }
-# SGLang sampling_params keys that are spelled differently here, or that need constrained decoding.
+# SGLang sampling_params keys that are spelled differently here.
 _NATIVE_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
-
-
-def reject_constrained(req: ChatCompletionRequest | CompletionRequest) -> None:
-    for name in CONSTRAINED_EXTRAS:
-        if getattr(req, name) is not None:
-            raise constrained_unsupported(name)
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -87,8 +83,10 @@ def openai_params(
     return_logprob: bool,
     top_logprobs: int,
     echo_logprobs: bool = False,
+    constraint: ConstraintSpec | None = None,
 ) -> list[SamplingParams]:
-    """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``."""
+    """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
+    carries ``constraint``."""
     if req.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_new_tokens})", "min_tokens")
     params = SamplingParams(
@@ -110,6 +108,7 @@ def openai_params(
         top_logprobs_num=top_logprobs,
         logprob_start_len=0 if echo_logprobs else -1,
         skip_special_tokens=req.skip_special_tokens,
+        constraint=constraint,
     )
     _validate(params, vocab_size, native=False)
     if req.seed is not None and req.seed + req.n > 2**63:
@@ -122,12 +121,12 @@ def native_params(
     raw: dict[str, Any] | None, *, return_logprob: bool, top_logprobs_num: int, logprob_start_len: int, vocab_size: int
 ) -> SamplingParams:
     """``SamplingParams`` from an SGLang-style ``sampling_params`` dict; unknown keys are a 400, not ignored,
-    because a misspelt sampling parameter silently changes what is generated."""
+    because a misspelt sampling parameter silently changes what is generated. The constraint fields (``regex``,
+    ``json_schema``, ``ebnf``/``grammar``, ``choices``; at most one) set ``constraint``, checked for shape only:
+    the route compiles it before submitting."""
     raw = dict(raw or {})
-    for name in CONSTRAINED_EXTRAS:
-        if raw.get(name) is not None:
-            raise constrained_unsupported(f"sampling_params.{name}")
-    raw = {_NATIVE_ALIASES.get(k, k): v for k, v in raw.items() if k not in CONSTRAINED_EXTRAS}
+    constraint = native_constraint(raw)
+    raw = {_NATIVE_ALIASES.get(k, k): v for k, v in raw.items() if k not in CONSTRAINT_FIELDS}
     unknown = sorted(set(raw) - _NATIVE_FIELDS)
     if unknown:
         raise bad_request(
@@ -143,6 +142,7 @@ def native_params(
         params.return_logprob = return_logprob
         params.top_logprobs_num = top_logprobs_num
         params.logprob_start_len = logprob_start_len
+        params.constraint = constraint.spec if constraint is not None else None
         _check_types(params)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None

@@ -108,11 +108,14 @@ class _SamplingFields(_NullIsDefault):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    # Grammar-constrained decoding parameters: recognised so they can be refused with a clear message.
-    regex: str | None = None
-    json_schema: Any = None
-    ebnf: str | None = None
-    choices: list[str] | None = None
+    # Grammar-constrained decoding (at most one per request; see server/constraints.py).
+    regex: str | None = Field(None, description="The output must match this regex (Rust regex syntax) in full.")
+    json_schema: dict[str, Any] | bool | str | None = Field(
+        None, description="The output must be JSON valid against this schema (an object, or its JSON text)."
+    )
+    ebnf: str | None = Field(None, description="The output must follow this Lark or GBNF/EBNF grammar.")
+    grammar: str | None = Field(None, description="Same as ebnf.")
+    choices: list[str] | None = Field(None, description="The output must be exactly one of these strings.")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -122,6 +125,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="With a forced tool_choice: true allows several calls; absent or false forces exactly one."
+    )
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking)."

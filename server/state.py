@@ -130,4 +130,8 @@ class ServerState:
         return f"radixserve ready: serving {self.served_name} at {url} (OpenAI API at /v1)"
 
     def describe(self) -> dict[str, Any]:
-        return {"served_model_name": self.served_name, "server_config": self.config.redacted()}
+        return {
+            "served_model_name": self.served_name,
+            "server_config": self.config.redacted(),
+            "num_requests_awaiting_grammar": self.metrics.awaiting_grammar,
+        }

@@ -35,7 +35,7 @@ class ParsedToolCall:
         return call
 
 
-def _new_id() -> str:
+def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -50,7 +50,7 @@ def _as_call(obj: Any, names: set[str]) -> ParsedToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False), id=_new_id())
+    return ParsedToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False), id=new_call_id())
 
 
 def _load(text: str) -> Any:

@@ -290,32 +290,6 @@ def test_error_shapes(http: httpx.Client, client: openai.OpenAI) -> None:
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize(
-    ("path", "extra", "param"),
-    [
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-        ("/v1/chat/completions", {"regex": "[0-9]+"}, "regex"),
-        ("/v1/chat/completions", {"json_schema": {"type": "object"}}, "json_schema"),
-        ("/v1/completions", {"ebnf": "root ::= 'a'"}, "ebnf"),
-        ("/v1/completions", {"choices": ["a", "b"]}, "choices"),
-        ("/generate", {"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-    ],
-)
-def test_constrained_params_refused(http: httpx.Client, path: str, extra: dict, param: str) -> None:
-    body = {"/v1/chat/completions": {"messages": USER}, "/v1/completions": {"prompt": "x"}}.get(path, {"text": "x"})
-    err = assert_error(http.post(path, json={**body, **extra}), 400, param=param)
-    assert "requires constrained decoding, which this server does not support yet" in err["message"]
-
-
-def test_tool_choice_required_refused(http: httpx.Client) -> None:
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        body = {"messages": USER, "tools": tools, "tool_choice": choice}
-        err = assert_error(http.post("/v1/chat/completions", json=body), 400, param="tool_choice")
-        assert "constrained decoding" in err["message"]
-
-
 def test_api_key(engine: Engine) -> None:
     app = create_app(engine, ServerConfig(api_key="sekret"))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as http:

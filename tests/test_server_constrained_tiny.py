@@ -1,0 +1,128 @@
+"""Constrained decoding through every route over the tiny random model: each field is wired through, errors are
+OpenAI-shaped 400s naming the field, forced tool calls come back as ``tool_calls``.
+
+The tiny model's byte-level BPE tokenizer carries a grammar vocabulary (``TokenizerInfo.from_hf`` accepts it), so
+constraints are served here; whether real outputs are sensible is checked over the real model in
+tests/test_server_constrained.py. A random model may ramble inside a JSON string until max_tokens, so outputs are
+checked unless the answer was cut ("length").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from runtime.engine import Engine
+from server import ServerConfig, create_app
+from server.testing import ServerThread
+from tests.test_server_tiny import MODEL, USER, assert_error
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[ServerThread]:
+    engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=4096)
+    try:
+        with ServerThread(create_app(engine, ServerConfig(served_model_name=MODEL))) as srv:
+            yield srv
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _is_object(text: str) -> bool:
+    return isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "check"),
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, _is_object),
+        ("/v1/chat/completions", {"regex": "[0-9]{3}"}, lambda t: re.fullmatch("[0-9]{3}", t)),
+        ("/v1/chat/completions", {"json_schema": {"enum": [1, 2]}}, lambda t: json.loads(t) in (1, 2)),
+        ("/v1/completions", {"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+        ("/v1/completions", {"grammar": 'start: "a" "b"+'}, lambda t: re.fullmatch("ab+", t)),
+        ("/v1/completions", {"choices": ["red", "green"]}, lambda t: t in ("red", "green")),
+        ("/generate", {"sampling_params": {"regex": "a+b", "max_new_tokens": 16}}, lambda t: re.fullmatch("a+b", t)),
+    ],
+)
+def test_constrained_params_served(http: httpx.Client, path: str, extra: dict, check: Any) -> None:
+    body = {"/v1/chat/completions": {"messages": USER}, "/v1/completions": {"prompt": "x"}}.get(path, {"text": "x"})
+    resp = http.post(path, json={"max_tokens": 64, "temperature": 0, **body, **extra})
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    if path == "/generate":
+        text, reason = out["text"], out["meta_info"]["finish_reason"]["type"]
+    else:
+        choice = out["choices"][0]
+        text, reason = choice.get("text", (choice.get("message") or {}).get("content")), choice["finish_reason"]
+    assert reason == "length" or check(text), text
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "code"),
+    [
+        ("/v1/chat/completions", {"regex": "[0-9"}, "regex", "invalid_constraint"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format", None),
+        ("/v1/chat/completions", {"json_schema": {"type": 5}}, "json_schema", "invalid_constraint"),
+        ("/v1/completions", {"json_schema": "{not json"}, "json_schema", "invalid_constraint"),
+        ("/v1/completions", {"choices": []}, "choices", "invalid_constraint"),
+        ("/v1/completions", {"ebnf": "root ::= ["}, "ebnf", "invalid_constraint"),
+        ("/generate", {"sampling_params": {"regex": "a("}}, "sampling_params.regex", "invalid_constraint"),
+        ("/generate", {"sampling_params": {"regex": "a", "choices": ["a"]}}, "sampling_params.choices", "conflicting"),
+        ("/v1/completions", {"regex": "a", "json_schema": {}}, "regex", "conflicting_constraints"),
+        ("/v1/chat/completions", {"regex": "a", "response_format": {"type": "json_object"}}, None, "conflicting"),
+    ],
+)
+def test_constraint_errors(http: httpx.Client, path: str, extra: dict, param: str | None, code: Any) -> None:
+    body = {"/v1/chat/completions": {"messages": USER}, "/v1/completions": {"prompt": "x"}}.get(path, {"text": "x"})
+    err = assert_error(http.post(path, json={**body, **extra}), 400, param=param)
+    if code is not None:
+        assert err["code"].startswith(code)
+    if code and code.startswith("conflicting"):  # the message names both fields
+        assert all(name in err["message"] for name in extra.get("sampling_params", extra))
+
+
+def test_tool_choice_forced(http: httpx.Client, client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    for choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        kw = dict(model=MODEL, messages=USER, tools=tools, max_tokens=32)
+        resp = client.chat.completions.create(**kw, tool_choice=choice)
+        msg, reason = resp.choices[0].message, resp.choices[0].finish_reason
+        assert reason == "tool_calls" and msg.content is None and len(msg.tool_calls) == 1
+        call = msg.tool_calls[0]
+        assert call.id.startswith("call_") and call.type == "function" and call.function.arguments == "{}"
+        assert call.function.name in (["g"] if isinstance(choice, dict) else ["f", "g"])
+    # Several calls only when asked for; cut by max_tokens, the calls so far come back with "length".
+    resp = client.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=True)
+    calls, reason = resp.choices[0].message.tool_calls, resp.choices[0].finish_reason
+    assert calls and reason in ("tool_calls", "length")
+    assert all(c.function.name in ("f", "g") and "{}".startswith(c.function.arguments) for c in calls)
+    named = {"type": "function", "function": {"name": "nope"}}
+    body = {"messages": USER, "tools": tools}
+    assert_error(http.post("/v1/chat/completions", json={**body, "tool_choice": named}), 400, param="tool_choice")
+    no_tools = {"messages": USER, "tool_choice": "required"}
+    assert_error(http.post("/v1/chat/completions", json=no_tools), 400, param="tool_choice")
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}}}]
+    err = assert_error(
+        http.post("/v1/chat/completions", json={"messages": USER, "tools": bad, "tool_choice": "required"}), 400
+    )
+    assert err["param"] == "tools[0].function.parameters" and "minProperties" in err["message"]
+    metrics = http.get("/metrics").text
+    assert "radixserve:num_requests_waiting_grammar{" in metrics and 'stat="hits"' in metrics

@@ -1,0 +1,112 @@
+"""Forced tool calls without a model: the schema built from the tools, the streaming scanner, error mapping."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from constrained import GrammarError
+from server.constraints import RequestConstraint, at_most_one, make_constraint, response_format_constraint
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, ResponseFormat
+from server.tool_calls import ToolCallScanner, forced_tool_constraint
+
+USER = [{"role": "user", "content": "hi"}]
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "parameters": ADD}},
+    {"type": "function", "function": {"name": "now"}},
+]
+
+
+def _request(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": USER, "tools": TOOLS, **kw})
+
+
+def test_forced_schema_accepts_exactly_the_calls() -> None:
+    required = forced_tool_constraint(_request(tool_choice="required"))
+    assert required is not None and required.param == "tools"
+    schema = required.spec.value
+    jsonschema.validate({"name": "add", "arguments": {"a": 1}}, schema)
+    jsonschema.validate({"name": "now", "arguments": {}}, schema)
+    for bad in ({"name": "add", "arguments": {}}, {"name": "now", "arguments": {"x": 1}}, {"name": "sub"}, []):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    named = forced_tool_constraint(_request(tool_choice={"type": "function", "function": {"name": "now"}}))
+    assert named is not None and named.spec.value["properties"]["name"] == {"const": "now"}
+    parallel = forced_tool_constraint(_request(tool_choice="required", parallel_tool_calls=True))
+    assert parallel is not None and parallel.spec.value["type"] == "array"
+    jsonschema.validate([{"name": "now", "arguments": {}}, {"name": "add", "arguments": {"a": 2}}], parallel.spec.value)
+    for choice in (None, "auto", "none"):
+        assert forced_tool_constraint(_request(tool_choice=choice)) is None
+
+
+def test_schema_errors_point_into_the_tool() -> None:
+    parallel = forced_tool_constraint(_request(tool_choice="required", parallel_tool_calls=True))
+    assert parallel is not None
+    exc = GrammarError.unsupported("contains", "/items/anyOf/1/properties/arguments/properties/x", "why")
+    err = parallel.error(exc)
+    assert err.param == "tools[1].function.parameters" and "at /properties/x:" in err.message
+    assert err.code == "unsupported_constraint" and err.status == 400
+    other = parallel.error(GrammarError("compile timeout after 10 s", kind="timeout"))
+    assert (other.param, other.code) == ("tools", "constraint_timeout")
+    internal = parallel.error(GrammarError("boom", kind="internal"))
+    assert internal.status == 500
+
+
+def test_one_constraint_per_request() -> None:
+    regex = make_constraint("regex", "a+", "regex")
+    fmt = response_format_constraint(ResponseFormat(type="json_object"))
+    assert at_most_one([None, regex]) is regex
+    with pytest.raises(APIError) as info:
+        at_most_one([regex, fmt])
+    assert "'regex' and 'response_format'" in info.value.message and info.value.code == "conflicting_constraints"
+    assert response_format_constraint(ResponseFormat(type="text")) is None
+    with pytest.raises(APIError):
+        response_format_constraint(ResponseFormat(type="json_schema", json_schema={"name": "x"}))
+    with pytest.raises(APIError) as info:
+        make_constraint("choice", [], "choices")
+    assert info.value.param == "choices"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name":"add","arguments":{"a":1,"s":"}\\"{","l":[1,{"b":[]}]}}',
+        '[{"name":"add","arguments":{"a":1}},{"name":"now","arguments":{}}]',
+        '{"arguments":{"a":2},"name":"add"}',
+        '{"name":"f","arguments":null}',
+    ],
+)
+def test_scanner_streams_what_it_returns(text: str) -> None:
+    whole = ToolCallScanner()
+    whole.feed(text)
+    streamed = ToolCallScanner()
+    deltas = [d for ch in text for d in streamed.feed(ch)]
+    assert whole.complete and streamed.complete
+    calls = streamed.finish()
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.finish()]
+    parsed = json.loads(text)
+    for call, obj in zip(calls, parsed if isinstance(parsed, list) else [parsed]):
+        assert call.name == obj["name"] and json.loads(call.arguments) == obj["arguments"]
+    heads = [d for d in deltas if "id" in d]
+    assert [h["function"]["name"] for h in heads] == [c.name for c in calls]
+    for index, call in enumerate(calls):
+        mine = [d for d in deltas if d["index"] == index]
+        assert "id" in mine[0] and all("id" not in d for d in mine[1:])
+        assert "".join(d["function"]["arguments"] for d in mine) == call.arguments
+
+
+def test_scanner_on_a_cut_answer() -> None:
+    scanner = ToolCallScanner()
+    assert scanner.feed('{"name":"ad') == [] and scanner.finish() == []
+    out = scanner.feed('d","arguments":{"a":1')
+    assert out[0]["function"] == {"name": "add", "arguments": ""} and out[1]["function"] == {"arguments": '{"a":1'}
+    assert not scanner.complete and scanner.finish()[0].arguments == '{"a":1'
+
+
+def test_constraint_is_frozen_with_its_sub_params() -> None:
+    c = RequestConstraint(make_constraint("regex", "x", "regex").spec, "regex")
+    assert c.sub_params == () and c.error(GrammarError("bad")).param == "regex"
