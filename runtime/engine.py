@@ -40,7 +40,7 @@ STATS_LOG_INTERVAL_S = 10.0
 
 
 class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should retry later (HTTP 429)."""
+    """The waiting queue is full (``--max-queued-requests``); the caller should retry later (HTTP 429)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -97,7 +97,15 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._unfinished = 0
+        # Queue depth = adds still in the inbox + the engine's waiting and grammar queues (as the engine thread
+        # last published them, under this lock). Admission moves requests out only after a step, so the bound
+        # is never exceeded by new requests; retracted requests re-enter the queue and may push it past it.
+        self._pending_adds = 0
+        self._engine_queued = 0
         self._count_lock = threading.Lock()
+        # Set (under the lock) once the loop has stopped taking work; the inbox is drained after that, and
+        # nothing is put into it after it, so no request or call is ever left unanswered.
+        self._closed = False
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.error: str | None = None
@@ -111,6 +119,18 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet admitted into a batch (inbox, grammar queue and waiting queue)."""
+        with self._count_lock:
+            return self._pending_adds + self._engine_queued
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted and not finished yet (queued or running)."""
+        with self._count_lock:
+            return self._unfinished
+
     def compile(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:
         """Start compiling a constraint (or take it from the cache). Callers that want a compile error before
         submitting (the HTTP server, to answer 400) wait on this future; ``submit`` reuses the same compilation."""
@@ -119,27 +139,33 @@ class Engine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, rid: str | None = None) -> str:
         """Queue one request; ``sink`` receives its ``ReqOutput`` messages on the engine thread (keep it cheap).
 
-        Raises ``ValueError`` for a request that can never be served and ``EngineOverloadedError`` when the
-        queue is full. A constrained request waits in the grammar queue while its grammar compiles; a compile
-        failure finishes it with an error.
+        Raises ``ValueError`` for a request that can never be served and ``EngineOverloadedError`` when
+        ``config.max_queued_requests`` requests already wait for admission (running ones do not count). A
+        constrained request waits in the grammar queue while its grammar compiles; a compile failure finishes it
+        with an error.
         """
         if not self.alive:
             raise EngineDeadError(self.error or "the engine has shut down")
         prompt = [int(t) for t in prompt_ids]
         self.core.validate(prompt, params)
-        with self._count_lock:
-            if self._unfinished >= self.config.max_queued_requests + self.config.max_running_requests:
-                raise EngineOverloadedError(
-                    f"{self._unfinished} requests are already queued or running; retry later"
-                )
-            self._unfinished += 1
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Req(rid, prompt, params)
-        if params.constraint is not None:
-            req.grammar_future = self.grammar.compile(params.constraint)
-            if not req.grammar_future.done():
-                req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None, None)))
-        self._inbox.put(("add", req, sink))
+        with self._count_lock:
+            if self._closed:
+                raise EngineDeadError(self.error or "the engine has shut down")
+            queued = self._pending_adds + self._engine_queued
+            if queued >= self.config.max_queued_requests:
+                raise EngineOverloadedError(
+                    f"the waiting queue is full ({queued} requests wait for admission, --max-queued-requests "
+                    f"{self.config.max_queued_requests}); retry later"
+                )
+            self._unfinished += 1
+            self._pending_adds += 1
+            if params.constraint is not None:
+                req.grammar_future = self.grammar.compile(params.constraint)
+                if not req.grammar_future.done():
+                    req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None, None)))
+            self._inbox.put(("add", req, sink))
         return rid
 
     def abort(self, rid: str) -> None:
@@ -150,7 +176,10 @@ class Engine:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine has shut down")
         fut: Future[Any] = Future()
-        self._inbox.put(("call", fn, fut))
+        with self._count_lock:
+            if self._closed:
+                raise EngineDeadError(self.error or "the engine has shut down")
+            self._inbox.put(("call", fn, fut))
         return fut.result(timeout)
 
     def generate(
@@ -237,15 +266,21 @@ class Engine:
                 if self._stop.is_set():
                     break
                 self._dispatch(self.core.step())
+                self._publish_queue()
                 self._maybe_log()
         except Exception as exc:  # noqa: BLE001 - the loop must report why it died
             logger.exception("engine loop died")
             self.error = f"engine loop died: {type(exc).__name__}: {exc}"
+        with self._count_lock:
+            self._closed = True
         reason = FinishReason.ERROR if self.error else FinishReason.ABORT
-        for req in self.core.scheduler.fail_all(reason, self.error):
-            sink = self._sinks.pop(req.rid, None)
-            if sink is not None:
-                sink(self.core._delta(req) or _final(req))
+        core = self.core
+        reqs = core.scheduler.fail_all(reason, self.error)
+        for req in core.grammar_queue:  # still compiling: never reached the scheduler
+            req.finish_reason, req.error = reason, self.error
+        reqs += core.grammar_queue
+        core.grammar_queue = []
+        self._dispatch([core._delta(req) or _final(req) for req in reqs])
         self._fail_inbox()
 
     def _drain(self, block: bool) -> None:
@@ -256,12 +291,7 @@ class Engine:
         while True:
             kind, a, b = item
             if kind == "add":
-                self._sinks[a.rid] = b
-                try:
-                    self.core.add(a)
-                except ValueError as exc:
-                    a.finish_reason, a.error = FinishReason.ERROR, str(exc)
-                    self._dispatch([_final(a)])
+                self._add(a, b)
             elif kind == "abort":
                 out = self.core.abort(a)
                 if out is not None:
@@ -275,6 +305,36 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add(self, req: Req, sink: Sink) -> None:
+        """Hand a request to the core; one that cannot be added (a duplicate rid, a failure while setting it up)
+        fails alone, and never takes the sink of the request that already has its rid."""
+        try:
+            if req.rid in self._sinks:
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            self.core.add(req)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the engine
+            if not isinstance(exc, ValueError):
+                logger.exception("request %s failed while being added", req.rid)
+            req.finish_reason = FinishReason.ERROR
+            req.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            with self._count_lock:
+                self._unfinished -= 1
+            try:
+                sink(_final(req))
+            except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+                logger.exception("output sink of %s failed", req.rid)
+        else:
+            self._sinks[req.rid] = sink
+        finally:
+            self._publish_queue(added=1)
+
+    def _publish_queue(self, added: int = 0) -> None:
+        """Tell ``submit`` how many requests wait in the engine (``added`` of the inbox's adds have moved in)."""
+        core = self.core
+        with self._count_lock:
+            self._pending_adds -= added
+            self._engine_queued = len(core.scheduler.waiting) + len(core.grammar_queue)
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
@@ -297,6 +357,9 @@ class Engine:
                 return
             if kind == "add":
                 a.finish_reason, a.error = FinishReason.ERROR, self.error or "the engine has shut down"
+                with self._count_lock:
+                    self._pending_adds -= 1
+                    self._unfinished -= 1
                 b(_final(a))
             elif kind == "call":
                 b.set_exception(EngineDeadError(self.error or "the engine has shut down"))

@@ -122,27 +122,48 @@ class ModelRunner:
 
         if sample_idx:
             logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
-            reqs = [plan.chunks[i].req for i in sample_idx]
-            allowed = grammar_mask(reqs, logits.shape[1], self.device)
-            try:
-                out = self.sampler.sample(logits, reqs, allowed)
-            except ValueError:
-                # One request's constraints left nothing to sample; sample the rest one by one so only it fails.
-                out = None
-            if out is not None:
-                for j, i in enumerate(sample_idx):
-                    next_tokens[i] = out.token_ids[j]
-                    logprobs[i] = out.logprobs[j]
-            else:
-                for j, i in enumerate(sample_idx):
-                    try:
-                        row_allowed = allowed[j : j + 1] if allowed is not None else None
-                        single = self.sampler.sample(logits[j : j + 1], [reqs[j]], row_allowed)
-                        next_tokens[i] = single.token_ids[0]
-                        logprobs[i] = single.logprobs[0]
-                    except ValueError as exc:
-                        errors[i] = str(exc)
+            bad = ~torch.isfinite(logits).all(dim=-1)
+            if bool(bad.any()):
+                # A numerical fault must fail its own request with a reason, never turn into a bogus token.
+                for j in bad.nonzero().flatten().tolist():
+                    errors[sample_idx[j]] = "the model produced non-finite logits for this request"
+                keep = [j for j in range(len(sample_idx)) if not bad[j]]
+                sample_idx = [sample_idx[j] for j in keep]
+                logits = logits[self._tensor(keep)]
+            if sample_idx:
+                self._sample(plan, sample_idx, logits, next_tokens, logprobs, errors)
         return StepResult(next_tokens, logprobs, prompt_lps, errors)
+
+    def _sample(
+        self,
+        plan: BatchPlan,
+        sample_idx: list[int],
+        logits: torch.Tensor,
+        next_tokens: list[int | None],
+        logprobs: list[TokenLogprob | None],
+        errors: dict[int, str],
+    ) -> None:
+        reqs = [plan.chunks[i].req for i in sample_idx]
+        allowed = grammar_mask(reqs, logits.shape[1], self.device)
+        try:
+            out = self.sampler.sample(logits, reqs, allowed)
+        except ValueError:
+            out = None
+        if out is not None:
+            for j, i in enumerate(sample_idx):
+                next_tokens[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+            return
+        # One request's constraints left nothing to sample (the sampler draws nothing before raising, so seeded
+        # rows stay reproducible): sample row by row so that only the faulty request fails.
+        for j, i in enumerate(sample_idx):
+            try:
+                row_allowed = allowed[j : j + 1] if allowed is not None else None
+                single = self.sampler.sample(logits[j : j + 1], [reqs[j]], row_allowed)
+                next_tokens[i] = single.token_ids[0]
+                logprobs[i] = single.logprobs[0]
+            except ValueError as exc:
+                errors[i] = str(exc)
 
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
         """Log-probs of the prompt tokens predicted inside this chunk: position p predicts token p + 1."""

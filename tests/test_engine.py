@@ -217,3 +217,28 @@ def test_rejects_impossible_requests(tiny_model_dir: Path) -> None:
         assert engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(4))["meta_info"]["completion_tokens"] > 0
     finally:
         engine.shutdown()
+
+
+def test_non_finite_logits_fail_only_their_request(engine: Engine) -> None:
+    model = engine.core.runner.model
+    original = model.compute_logits
+    poison_first_row = {"on": True}
+
+    def faulty(hidden):
+        logits = original(hidden)
+        if poison_first_row["on"] and logits.shape[0] > 1:
+            logits[0] = float("nan")
+            poison_first_row["on"] = False
+        return logits
+
+    engine.call(lambda core: setattr(model, "compute_logits", faulty))
+    try:
+        results = engine.generate(PROMPTS[:3], greedy(6))
+    finally:
+        engine.call(lambda core: setattr(model, "compute_logits", original))
+    reasons = [r["meta_info"]["finish_reason"] for r in results]
+    assert reasons.count("error") == 1, reasons
+    failed = next(r for r in results if r["meta_info"]["finish_reason"] == "error")
+    assert "non-finite logits" in failed["meta_info"]["error"]
+    assert all(r["text"] for r in results if r["meta_info"]["finish_reason"] != "error")
+    assert_all_free(engine)
