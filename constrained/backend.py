@@ -6,7 +6,10 @@ spec) whose ``new_matcher()`` gives each request its own ``Matcher`` (the parse 
 Matcher invariants (every backend):
   * ``fill_bitmask`` sets exactly the bits of the tokens that keep the output a prefix of some string of the
     grammar, plus the EOS ids where the grammar may end; never a special or padding id otherwise;
-  * ``accept_token`` returns False and leaves the state unchanged for a token the mask did not allow;
+  * ``accept_token`` returns False and leaves the state unchanged for a token that cannot continue the output;
+    it accepts every such token the mask allows, and possibly more: where the grammar forces the next bytes,
+    llguidance's mask keeps only the token that spells them canonically, while ``accept_token`` takes any
+    tokenization of valid bytes (so jump-forward and replayed outputs are never refused);
   * ``is_terminated()``: the grammar is complete and nothing but EOS may follow (the request is done);
     ``can_terminate()``: EOS is allowed now;
   * ``forced_tokens()`` are tokens that every continuation starts with, tokenized canonically, never special;
@@ -49,6 +52,8 @@ _SPEC_FORMATS = (
     "relative-json-pointer",
     "regex",
 )
+MAX_GRAMMAR_CHARS = 8 << 20  # a rewritten schema this large is refused before the backend parses it
+_RECURSION = re.compile(r"circular references|stack level exceeded|schema too large")
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
@@ -198,12 +203,15 @@ class LLGuidanceBackend:
         if json_max_whitespace:
             self.json_options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{json_max_whitespace}}}"
 
-    def grammar_text(self, spec: ConstraintSpec) -> str:
+    def grammar_text(self, spec: ConstraintSpec, *, reshape: bool = False) -> str:
         """The llguidance grammar for ``spec`` (JSON schemas rewritten first); raises ``GrammarError``."""
         spec.validate()
         if spec.kind == "json_schema":
-            prepared = json_schema.rewrite_schema(spec.value, llguidance_formats())
-            return llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
+            prepared = json_schema.rewrite_schema(spec.value, llguidance_formats(), reshape=reshape)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
+            if len(grammar) > MAX_GRAMMAR_CHARS:
+                raise GrammarError(f"the schema expands to {len(grammar)} characters", kind="too_complex")
+            return grammar
         if spec.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=self.json_options)
         if spec.kind == "regex":
@@ -217,11 +225,16 @@ class LLGuidanceBackend:
             raise GrammarError(f"invalid grammar: {exc}") from None
 
     def compile(self, spec: ConstraintSpec) -> LLGuidanceGrammar:
-        grammar = self.grammar_text(spec)
-        matcher = llguidance.LLMatcher(self.info.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        matcher = self._matcher(self.grammar_text(spec))
+        if matcher.is_error() and spec.kind == "json_schema" and _RECURSION.search(matcher.get_error()):
+            # llguidance could not intersect through a recursive definition: retry with references reshaped.
+            matcher = self._matcher(self.grammar_text(spec, reshape=True))
         if matcher.is_error():
             raise _error(spec, matcher.get_error())
         return LLGuidanceGrammar(spec.key, self.info, matcher)
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.info.ll_tokenizer, grammar, log_level=0, limits=self.limits)
 
 
 def _error(spec: ConstraintSpec, message: str) -> GrammarError:

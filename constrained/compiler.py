@@ -5,9 +5,9 @@ be interrupted. Its own limits (``LLParserLimits``: lexer fuel, grammar size, le
 the work of any one compilation, so no compile runs forever. On top of that, the timeout is enforced here without
 waiting for the compile: at the deadline the caller's future fails with ``GrammarError(kind="timeout")`` and the
 worker slot is handed to the next job at once; the abandoned compile finishes in the background and its result is
-dropped. At most ``max_abandoned`` such compiles may still be running; past that new jobs wait, so a flood of
-pathological schemas cannot spawn unbounded threads. A process pool would make compiles killable, but a compiled
-llguidance grammar cannot cross a process boundary, so the work would be done twice.
+dropped. Running plus abandoned compiles never exceed ``max_workers + max_abandoned`` threads; past that new jobs
+wait, so a flood of pathological schemas cannot spawn unbounded threads. A process pool would make compiles
+killable, but a compiled llguidance grammar cannot cross a process boundary, so the work would be done twice.
 
 Invariants:
   * one compile per key at a time: concurrent submits of the same spec share it (each gets its own future);
@@ -174,7 +174,8 @@ class GrammarCompiler:
                 now = time.monotonic()
                 for job in [j for j in self._running if j.deadline <= now]:
                     deliveries.append(self._expire(job))
-                while self._queue and len(self._running) < self.max_workers and self._abandoned < self.max_abandoned:
+                threads = self.max_workers + self.max_abandoned  # running + abandoned never exceed the pool
+                while self._queue and len(self._running) < self.max_workers and self._busy_threads() < threads:
                     job = self._queue.popleft()
                     if all(w.cancelled() for w in job.waiters):
                         del self._inflight[job.key]
@@ -186,6 +187,9 @@ class GrammarCompiler:
                     nearest = min((j.deadline for j in self._running), default=None)
                     self._cond.wait(None if nearest is None else max(0.0, nearest - now))
             _deliver(deliveries)
+
+    def _busy_threads(self) -> int:
+        return len(self._running) + self._abandoned
 
     def _expire(self, job: _Job) -> Delivery:
         job.timed_out = True

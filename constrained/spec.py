@@ -110,7 +110,7 @@ class ConstraintSpec:
             object.__setattr__(self, "value", _parse_schema(self.value))
             try:  # primes ``key`` and rejects values JSON cannot carry (NaN, sets, objects)
                 object.__setattr__(self, "key", f"json_schema:{canonical_json(self.value)}")
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, RecursionError) as exc:
                 raise GrammarError(f"json_schema is not a JSON value: {exc}") from None
         elif self.kind == "choice" and isinstance(self.value, Sequence) and not isinstance(self.value, str):
             object.__setattr__(self, "value", tuple(self.value))

@@ -1,0 +1,214 @@
+"""Whole-document passes after rewriting: place referenced definitions, and shape references so the backend can
+follow recursive definitions (it cannot intersect a schema with a reference that is still being defined).
+
+All passes keep the accepted instance set; ``as_draft_2020`` respells a result for standard validators.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+from constrained import schema_refs as refs
+from constrained.schema_types import (
+    DEFS,
+    INTERACTING,
+    META,
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_ONE,
+    Schema,
+    declared_atoms,
+)
+from constrained.spec import GrammarError, canonical_json, pointer_join
+
+if TYPE_CHECKING:
+    from constrained.json_schema import Rewriter
+
+
+def place_refs(rw: Rewriter, out: Schema) -> None:
+    """Make every local ``$ref`` of the output point at the rewritten form of its original target.
+
+    A target whose path survives in the output (in place, or as a lazily rewritten definition) keeps its
+    reference; one that lived under a rewritten keyword (``not``, ``if``, ...) is stashed under ``$defs``.
+    """
+    if not isinstance(out, dict):
+        return
+    stash = out.setdefault("$defs", {})
+    placed: dict[str, str] = {}
+    done = 0
+    while done < len(rw.holders):  # placing a target may rewrite more nodes, which append more holders
+        holder = rw.holders[done]
+        done += 1
+        ptr = refs.parse_local_ref(holder["$ref"], rw.doc_id)
+        if ptr is None or holder["$ref"] in placed.values():
+            continue
+        target = rw.at(ptr)
+        if ptr in placed:
+            holder["$ref"] = placed[ptr]
+        elif not _place(rw, out, ptr, target):
+            name = f"{_STASH_PREFIX}{len(placed)}"
+            if name in stash:
+                raise GrammarError.invalid_schema("/$defs", f"the definition name {name!r} is reserved", "$defs")
+            stash[name] = target
+            placed[ptr] = holder["$ref"] = f"#/$defs/{name}"
+    if not stash:
+        out.pop("$defs")
+
+
+_STASH_PREFIX = "__constrained_rewritten_"
+
+
+def _place(rw: Rewriter, out: dict[str, Any], ptr: str, target: Schema) -> bool:
+    """Put ``target`` at ``ptr`` in the output when the path survives; True when it is (now) there."""
+    node: Any = out
+    tokens = refs.split_pointer(ptr)
+    for depth, tok in enumerate(tokens):
+        if isinstance(node, dict):
+            if tok not in node:
+                parent = tokens[:depth]
+                if not parent or parent[-1] not in DEFS:
+                    return False
+                if refs.lookup(rw.root, pointer_join("", *tokens[: depth + 1])) is refs.MISSING:
+                    return False
+                node[tok] = rw.at(pointer_join("", *tokens[: depth + 1]))
+            node = node[tok]
+        elif isinstance(node, list) and tok.isdigit() and int(tok) < len(node):
+            node = node[int(tok)]
+        else:
+            return False
+    return node is target
+
+
+def drop_implied_types(rw: Rewriter, out: Schema) -> None:
+    """Remove a ``type`` that the rest of its schema (``$ref`` target, ``anyOf`` branches, ``enum``) implies.
+
+    Exact (R within type => R and type = R), and it leaves bare references and unions, which the backend can
+    follow through recursive definitions (a reference with siblings must be intersected, which recursion forbids).
+    """
+    for node in schema_nodes(out):
+        if "type" in node and any(k in node for k in ("$ref", "anyOf", "allOf", "enum")):
+            rest = {k: v for k, v in node.items() if k != "type"}
+            if rw.algebra.types(rest) <= declared_atoms(node["type"]):
+                del node["type"]
+
+
+def inline_referenced_siblings(rw: Rewriter, out: Schema) -> None:
+    """Replace ``{"$ref": X, k: v}`` by ``{**X, k: v}`` when the keywords do not interact.
+
+    Both forms mean X and {k: v}; the merged one needs no intersection with a reference, which the backend
+    cannot do inside a recursive definition. Merging is exact when the two keyword sets are disjoint and no
+    interacting group (properties / patternProperties / additionalProperties, items / additionalItems) is split.
+    """
+    stash: dict[str, Schema] = {}
+    merged_defs: dict[tuple[str, str], str] = {}
+    for node in schema_nodes(out):
+        _inline_members(rw, node)
+        if "$ref" not in node or not set(node) - META - {"$ref"}:
+            continue
+        target = rw.resolve(node["$ref"])
+        if not isinstance(target, dict):
+            continue
+        mine, theirs = set(node) - META - {"$ref"}, set(target) - META
+        if mine & theirs or any(g & mine and g & theirs for g in INTERACTING):
+            continue
+        merged = {k: v for k, v in target.items() if k not in META}
+        merged.update((k, v) for k, v in node.items() if k not in META and k != "$ref")
+        if any(n is node for n in schema_nodes(target)):
+            # Recursive: the merged schema becomes a definition of its own, so the node stays a bare reference.
+            key = (node["$ref"], canonical_json({k: v for k, v in node.items() if k != "$ref"}))
+            if key not in merged_defs:
+                name = f"{_STASH_PREFIX}merged_{len(merged_defs)}"
+                stash[name] = merged
+                merged_defs[key] = f"#/$defs/{name}"
+            meta = {k: v for k, v in node.items() if k in META}
+            node.clear()
+            node.update(meta, **{"$ref": merged_defs[key]})
+        else:
+            meta = {k: v for k, v in node.items() if k in META}
+            node.clear()
+            node.update(meta, **merged)
+    if stash and isinstance(out, dict):
+        out.setdefault("$defs", {}).update(stash)
+
+
+def _inline_members(rw: Rewriter, node: dict[str, Any]) -> None:
+    """In an ``allOf`` / ``anyOf`` that gets intersected with other conjuncts, use targets of bare ``$ref`` members.
+
+    A bare reference and its target mean the same; the target needs no reference resolution while intersecting.
+    Skipped when the target contains ``node`` (the result would contain itself).
+    """
+    conjuncts = len(set(node) - META - {"allOf", "anyOf"}) + len(node.get("allOf", [])) + ("anyOf" in node)
+    if conjuncts < 2:
+        return
+    for key in ("allOf", "anyOf"):
+        members = node.get(key, [])
+        for i, member in enumerate(members):
+            if isinstance(member, dict) and set(member) == {"$ref"}:
+                target = rw.resolve(member["$ref"])
+                if isinstance(target, dict) and not any(n is node for n in schema_nodes(target)):
+                    members[i] = target
+
+
+def materialize_all_of(rw: Rewriter, out: Schema) -> None:
+    """Replace an ``allOf`` by the single schema it means, where ``SchemaAlgebra.intersect`` computes one.
+
+    The backend intersects ``allOf`` members itself, but it recurses forever on two recursive schemas that
+    repeat the same reference (``additionalProperties: {$ref: X}`` on both sides); the computed form keeps
+    such a reference once.
+    """
+    for _ in range(8):  # a merged node may hold new allOf nodes (per-name conjunctions); revisit until stable
+        changed = False
+        for node in schema_nodes(out):
+            members = node.get("allOf")
+            if not members or len(members) + len(set(node) - META - {"allOf"}) < 2:
+                continue
+            result: Schema | None = {k: v for k, v in node.items() if k not in META and k != "allOf"} or True
+            for member in members:
+                result = rw.algebra.intersect(result, member) if result is not None else None
+            if isinstance(result, dict) and "$ref" not in result:
+                meta = {k: v for k, v in node.items() if k in META}
+                node.clear()
+                node.update(meta, **result)
+                changed = True
+        if not changed:
+            return
+
+
+def schema_nodes(root: Schema) -> list[dict[str, Any]]:
+    """Every subschema object reachable from ``root`` through schema positions, each once."""
+    seen: set[int] = set()
+    out: list[dict[str, Any]] = []
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        out.append(node)
+        for key, value in node.items():
+            if key in (*SCHEMA_MAPS, *DEFS):
+                stack.extend(value.values())
+            elif key in (*SCHEMA_LISTS, "items") and isinstance(value, list):
+                stack.extend(value)
+            elif key in (*SCHEMA_ONE, "items"):
+                stack.append(value)
+    return out
+
+
+def as_draft_2020(schema: Schema) -> Schema:
+    """A rewritten schema spelled in draft 2020-12 (tuple ``items`` -> ``prefixItems``), for standard validators.
+
+    The backend reads both spellings; ``jsonschema``'s 2020-12 validator needs this one to check exactness.
+    """
+    out = copy.deepcopy(schema)
+    for node in schema_nodes(out):
+        if node is not out:
+            node.pop("$schema", None)  # a nested dialect switch would make the validator read it differently
+        if isinstance(node.get("items"), list):
+            node["prefixItems"] = node.pop("items")
+            if "additionalItems" in node:
+                node["items"] = node.pop("additionalItems")
+    if isinstance(out, dict):
+        out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return out

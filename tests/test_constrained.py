@@ -1,0 +1,264 @@
+"""Constrained decoding with the real SmolLM2 tokenizer: vocabulary, masks, EOS, jump-forward, rollback, compiler."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from constrained import (
+    ConstraintSpec,
+    GrammarCompiler,
+    GrammarError,
+    TokenizerInfo,
+    allocate_bitmask,
+    apply_bitmask,
+    bitmask_to_bool,
+    fill_bitmasks,
+)
+from constrained.backend import LLGuidanceBackend
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from runtime.model_source import resolve_model
+    from runtime.weights import load_tokenizer
+
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def info(tokenizer) -> TokenizerInfo:
+    return TokenizerInfo.from_hf(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def compiler(info):
+    c = GrammarCompiler(info, timeout_s=10.0)
+    yield c
+    c.close()
+
+
+def allowed(matcher, info) -> torch.Tensor:
+    bm = allocate_bitmask(1, info.vocab_size)
+    matcher.fill_bitmask(bm, 0)
+    return bitmask_to_bool(bm, info.vocab_size)[0]
+
+
+def encode(info, text: str) -> list[int]:
+    return info.ll_tokenizer.tokenize_str(text)
+
+
+def test_vocabulary_is_raw_bytes_without_special_tokens(tokenizer, info) -> None:
+    assert info.vocab_size == len(info.token_bytes) == 49152
+    assert info.eos_token_ids == (tokenizer.eos_token_id,)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start in info.special_ids and info.token_bytes[im_start] == b""
+    space_the = tokenizer.convert_tokens_to_ids("Ġthe")
+    assert info.token_bytes[space_the] == b" the"
+    assert TokenizerInfo.from_hf(tokenizer) is info  # cached per tokenizer
+    padded = TokenizerInfo.from_hf(tokenizer, vocab_size=49216)
+    assert padded.vocab_size == 49216 and 49200 in padded.special_ids
+
+
+@pytest.mark.parametrize(
+    "spec, text",
+    [
+        (ConstraintSpec("json_schema", PERSON), '{"name":"Ann","age":31,"role":"user"}'),
+        (ConstraintSpec("json_object"), '{"a":[1,{"b":null}]}'),
+        (ConstraintSpec("regex", r"\d{3}-[a-z]+"), "123-abc"),
+        (ConstraintSpec("choice", ["yes", "no", "maybe so"]), "maybe so"),
+        (ConstraintSpec("grammar", 'start: "(" start ")" | "x"'), "((x))"),
+        (ConstraintSpec("grammar", 'root ::= "a" root | "b"'), "aab"),
+    ],
+)
+def test_each_kind_compiles_and_accepts_a_valid_output(compiler, info, spec, text) -> None:
+    matcher = compiler.compile(spec).new_matcher()
+    for tok in encode(info, text):
+        assert allowed(matcher, info)[tok]
+        assert matcher.accept_token(tok)
+    assert matcher.can_terminate()
+
+
+def test_walk_json_instance_and_reject_invalid(compiler, info) -> None:
+    grammar = compiler.compile(ConstraintSpec("json_schema", PERSON))
+    eos = info.eos_token_ids[0]
+    matcher = grammar.new_matcher()
+    toks = encode(info, '{"name":"Ann","age":31,"role":"admin"}')
+    for tok in toks:
+        mask = allowed(matcher, info)
+        assert mask[tok] and not mask[eos], "EOS is allowed only where the grammar may end"
+        assert matcher.accept_token(tok)
+    assert matcher.is_terminated() and allowed(matcher, info).nonzero().flatten().tolist() == [eos]
+
+    for bad in ['{"name":"Ann","age":151', '{"name":"Ann","age":3,"role":"root"}', '{"nam']:
+        matcher = grammar.new_matcher()
+        results = [matcher.accept_token(t) for t in encode(info, bad)]
+        if bad == '{"nam':
+            assert all(results) and not matcher.can_terminate()
+        else:
+            assert not all(results)
+    matcher = grammar.new_matcher()
+    before = allowed(matcher, info)
+    assert not matcher.accept_token(encode(info, "[")[0])
+    assert torch.equal(allowed(matcher, info), before), "a rejected token leaves the state unchanged"
+
+
+def test_mask_is_exactly_the_accepted_tokens(compiler, info) -> None:
+    grammar = compiler.compile(ConstraintSpec("choice", ["alpha", "alps", "beta"]))
+    matcher = grammar.new_matcher()
+    mask = allowed(matcher, info)
+    brute = torch.zeros_like(mask)
+    for tok in range(info.vocab_size):
+        probe = grammar.new_matcher()
+        brute[tok] = probe.accept_token(tok)
+    assert torch.equal(mask, brute)
+    texts = [info.token_bytes[t] for t in mask.nonzero().flatten().tolist()]
+    assert b"a" in texts and all(any(w.startswith(t) for w in (b"alpha", b"alps", b"beta")) for t in texts)
+
+
+def test_special_tokens_never_allowed_inside_json_strings(compiler, info) -> None:
+    matcher = compiler.compile(ConstraintSpec("json_schema", {"type": "string"})).new_matcher()
+    special = torch.tensor(sorted(info.special_ids))
+    for tok in encode(info, '"hello <|im_end|> world'):  # literal text, spelled with ordinary tokens
+        assert not allowed(matcher, info)[special].any()
+        assert matcher.accept_token(tok)
+    const = {"type": "object", "properties": {"k": {"const": "<|im_end|> x"}}, "required": ["k"]}
+    forced = compiler.compile(ConstraintSpec("json_schema", const)).new_matcher().forced_tokens()
+    assert forced and not set(forced) & info.special_ids
+
+
+def test_forced_tokens_are_canonical_and_back_off_at_the_boundary(compiler, info, tokenizer) -> None:
+    matcher = compiler.compile(ConstraintSpec("json_schema", PERSON)).new_matcher()
+    forced = matcher.forced_tokens()
+    assert tokenizer.decode(forced) == '{"name'  # '":"' may merge with the value's first characters
+    assert forced == encode(info, '{"name')
+    for tok in forced:
+        assert matcher.accept_token(tok)
+    for tok in encode(info, '":"Bo","'):
+        assert matcher.accept_token(tok)
+    assert tokenizer.decode(matcher.forced_tokens()).startswith("age")
+    done = compiler.compile(ConstraintSpec("choice", ["only"])).new_matcher()
+    assert tokenizer.decode(done.forced_tokens()) in ("only", "onl", "on", "o")
+
+
+def test_rollback(compiler, info) -> None:
+    matcher = compiler.compile(ConstraintSpec("json_schema", PERSON)).new_matcher()
+    toks = encode(info, '{"name":"Ann","age":31')
+    masks = []
+    for tok in toks:
+        masks.append(allowed(matcher, info))
+        assert matcher.accept_token(tok)
+    matcher.rollback(3)
+    assert matcher.num_tokens == len(toks) - 3
+    assert torch.equal(allowed(matcher, info), masks[-3])
+    with pytest.raises(ValueError):
+        matcher.rollback(len(toks))
+    matcher.rollback(matcher.num_tokens)
+    assert torch.equal(allowed(matcher, info), masks[0])
+
+
+def test_cache_hits_and_canonical_keys(compiler) -> None:
+    first = compiler.compile(ConstraintSpec("json_schema", {"type": "object", "properties": {"x": {}, "y": {}}}))
+    hits = compiler.stats.hits
+    again = compiler.submit(ConstraintSpec("json_schema", '{"properties": {"y": {}, "x": {}}, "type": "object"}'))
+    assert again.done() and again.result() is first and compiler.stats.hits == hits + 1
+
+
+def test_errors_name_the_problem(compiler) -> None:
+    with pytest.raises(GrammarError, match="invalid regex"):
+        compiler.compile(ConstraintSpec("regex", "[0-9]+("))
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(ConstraintSpec("json_schema", {"properties": {"t": {"type": "array", "uniqueItems": True}}}))
+    assert (err.value.kind, err.value.keyword, err.value.pointer) == ("unsupported", "uniqueItems", "/properties/t")
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(ConstraintSpec("json_schema", {"properties": {"a": {"pattern": "(?=x)a"}}}))
+    assert err.value.pointer == "/properties/a/pattern"
+    with pytest.raises(GrammarError, match="invalid JSON schema at /type"):
+        compiler.compile(ConstraintSpec("json_schema", {"type": "strin"}))
+    with pytest.raises(GrammarError, match="invalid grammar"):
+        compiler.compile(ConstraintSpec("grammar", "start: undefined_rule"))
+    failed = compiler.submit(ConstraintSpec("choice", []))
+    assert failed.done() and isinstance(failed.exception(), GrammarError)
+
+
+class _StuckBackend:
+    """A backend whose compile of the spec ``regex: stuck`` blocks until released (a compile that never ends)."""
+
+    name = "stuck"
+
+    def __init__(self, real: LLGuidanceBackend) -> None:
+        self.real = real
+        self.release = threading.Event()
+
+    def compile(self, spec):
+        if spec.value == "stuck":
+            self.release.wait(30)
+        return self.real.compile(spec)
+
+
+def test_timeout_frees_the_caller_and_the_pool(info) -> None:
+    backend = _StuckBackend(LLGuidanceBackend(info))
+    compiler = GrammarCompiler(info, max_workers=1, timeout_s=0.3, backend=backend)
+    try:
+        start = time.monotonic()
+        stuck: Future = compiler.submit(ConstraintSpec("regex", "stuck"))
+        other = compiler.submit(ConstraintSpec("regex", "[a-z]+"))
+        with pytest.raises(GrammarError, match="compile timeout after 0.3 s") as err:
+            stuck.result(timeout=5)
+        assert err.value.kind == "timeout" and time.monotonic() - start < 3
+        assert other.result(timeout=5) is not None, "the slot is handed on at the deadline"
+        assert compiler.info()["abandoned"] == 1
+        again = compiler.submit(ConstraintSpec("regex", "stuck"))
+        assert again.done() and again.exception().kind == "timeout", "timeouts are remembered for a while"
+    finally:
+        backend.release.set()
+        compiler.close()
+
+
+def test_apply_bitmask_on_a_batch(compiler, info) -> None:
+    rows = [
+        compiler.compile(ConstraintSpec("choice", ["yes", "no"])).new_matcher(),
+        compiler.compile(ConstraintSpec("json_schema", PERSON)).new_matcher(),
+    ]
+    bitmask = allocate_bitmask(3, info.vocab_size)  # row 2 stays unconstrained
+    fill_bitmasks([(rows[0], 0), (rows[1], 1)], bitmask)
+    serial = allocate_bitmask(3, info.vocab_size)
+    for i, m in enumerate(rows):
+        m.fill_bitmask(serial, i)
+    assert torch.equal(bitmask, serial)
+
+    logits = torch.randn(3, info.vocab_size + 64)  # padded logit width
+    expected = logits.clone()
+    mask = bitmask_to_bool(bitmask, logits.shape[1])
+    expected[~mask] = float("-inf")
+    apply_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[:, info.vocab_size :]).all() and torch.isfinite(logits[2, : info.vocab_size]).all()
+    assert int(torch.isfinite(logits[0]).sum()) == int(mask[0].sum()) > 0
+    assert info.token_bytes[int(logits[1].argmax())] in (b"{", b'{"', b'{"name', b'{"n')
+
+
+def test_bounded_whitespace_option(info) -> None:
+    backend = LLGuidanceBackend(info, json_max_whitespace=2)
+    grammar = backend.compile(ConstraintSpec("json_schema", PERSON))
+    ok = grammar.new_matcher()
+    assert all(ok.accept_token(t) for t in encode(info, json.dumps({"name": "A", "age": 1, "role": "user"}, indent=1)))
+    assert ok.can_terminate()
+    bad = grammar.new_matcher()
+    assert not all(bad.accept_token(t) for t in encode(info, '{   "name"'))
