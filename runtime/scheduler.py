@@ -25,8 +25,9 @@ logger = logging.getLogger("radixserve.scheduler")
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.15
 NEW_TOKEN_RATIO_DECAY = 0.002
-# A waiting request that shares this many not-yet-cached tokens with one admitted in the same step waits a step,
-# so the shared part is computed once and then hit in the cache.
+# A waiting request that shares at least this many not-yet-cached tokens with one admitted in the same step, and
+# at least half of what it would compute, waits a step so the shared part is computed once and then hit in the
+# cache. (Deferring for a short shared head, like a chat template's default system prompt, costs a whole step.)
 IN_BATCH_PREFIX_DEFER = 32
 # Beyond this many waiting requests, longest-prefix ordering costs more than it saves.
 LPM_MAX_QUEUE = 256
@@ -162,8 +163,9 @@ class Scheduler:
                 break
             tokens = req.all_ids
             if self.cache.tree is not None and in_flight:
-                shared = max(_common_prefix(tokens, other) for other in in_flight)
-                if shared - self.cache.peek_prefix_len(tokens) >= IN_BATCH_PREFIX_DEFER:
+                cached = self.cache.peek_prefix_len(tokens)
+                shared = max(_common_prefix(tokens, other) for other in in_flight) - cached
+                if shared >= IN_BATCH_PREFIX_DEFER and 2 * shared >= len(tokens) - cached:
                     continue
             cached = self.cache.admit(req)
             need = req.total - cached + max(0, req.params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio

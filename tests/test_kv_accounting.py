@@ -76,3 +76,33 @@ def test_random_mix_keeps_kv_accounting(tiny_model_dir: Path, radix: bool, monke
     assert result["retractions"] > 0, "the pool was sized so that retraction happens"
     assert result["in_use"] == 0
     assert result["free_plus_evictable"] == result["total"]
+
+
+def test_in_batch_prefix_sharing_defers_only_long_shared_heads(tiny_model_dir: Path) -> None:
+    """Two requests sharing a long uncached head: the second waits one step and then hits the cache. Sharing only
+    a short head (a chat template's system prompt) is not worth a step: both are prefilled together."""
+    engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048)
+    try:
+        params = SamplingParams(max_new_tokens=2, temperature=0.0)
+
+        def plan_sizes(core, prompts: list[list[int]]) -> list[int]:
+            for i, p in enumerate(prompts):
+                core.add(Req(f"p{i}-{len(p)}", p, params))
+            plan = core.scheduler.schedule()
+            sizes = [c.end - c.start for c in plan.chunks]
+            result = core.runner.run(plan)
+            core._apply(plan, result)
+            while core.has_work():
+                core.step()
+            return sizes
+
+        long_head = list(range(3, 103))
+        long_sizes = engine.call(lambda core: plan_sizes(core, [long_head + [5, 6], long_head + [7, 8]]))
+        assert long_sizes == [102], "the second request should wait for the shared head to be cached"
+        short_head = list(range(300, 340))
+        short_sizes = engine.call(
+            lambda core: plan_sizes(core, [short_head + list(range(100, 160)), short_head + list(range(200, 260))])
+        )
+        assert short_sizes == [100, 100]
+    finally:
+        engine.shutdown()
