@@ -117,7 +117,8 @@ class Engine:
     # --- public API ---------------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        """Serving: the loop runs, has not failed, and ``shutdown`` was not called."""
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
     @property
     def num_queued(self) -> int:
@@ -350,13 +351,16 @@ class Engine:
                     logger.exception("output sink of %s failed", out.rid)
 
     def _fail_inbox(self) -> None:
+        """Answer what was sent but never taken: requests end like those in the engine (abort on shutdown, the
+        loop's error if it died), calls fail with ``EngineDeadError``."""
         while True:
             try:
                 kind, a, b = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
-                a.finish_reason, a.error = FinishReason.ERROR, self.error or "the engine has shut down"
+                a.finish_reason = FinishReason.ERROR if self.error else FinishReason.ABORT
+                a.error = self.error or "the engine has shut down"
                 with self._count_lock:
                     self._pending_adds -= 1
                     self._unfinished -= 1

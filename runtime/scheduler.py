@@ -88,7 +88,10 @@ class Scheduler:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if not decodes and not extends:
             return None
-        return BatchPlan(tuple(decodes + extends))
+        # A request admitted with all but its last token cached is a one-token chunk too: it joins the decodes,
+        # which the plan must list first (the model runner lays out decode rows before extends).
+        chunks = decodes + extends
+        return BatchPlan(tuple([c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]))
 
     def _is_decoding(self, req: Req) -> bool:
         return req.num_computed > 0 and req.total - req.num_computed == 1

@@ -20,6 +20,8 @@ from fastapi import FastAPI
 from server import native_routes, openai_chat, openai_completions, openai_models
 from server.config import ServerConfig
 from server.errors import install_error_handlers
+from server.lifecycle import drain_on_exit
+from server.limits import RequestLimits
 from server.state import EngineFactory, ServerState
 
 if TYPE_CHECKING:
@@ -52,10 +54,12 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.start_loading()
         announcer = asyncio.ensure_future(_announce_ready(state))
+        drainer = asyncio.ensure_future(drain_on_exit(state))
         try:
             yield
         finally:
             announcer.cancel()
+            drainer.cancel()
             state.shutdown()
 
     app = FastAPI(
@@ -66,6 +70,12 @@ def create_app(
     )
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=config.max_body_bytes,
+        max_json_depth=config.max_json_depth,
+        read_timeout=config.request_read_timeout,
+    )
     app.include_router(native_routes.health_router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
@@ -75,8 +85,12 @@ def create_app(
 
 
 def attach_server(app: FastAPI, server: uvicorn.Server) -> None:
-    """Tell the app which uvicorn server runs it: the ready line then waits until it listens, with its address."""
-    app.state.server.listen_url = functools.partial(_bound_url, server)
+    """Tell the app which uvicorn server runs it: the ready line then waits until it listens, with its address,
+    and a shutdown of that server drains the app's requests first (``server.lifecycle``). Build the server's
+    config with ``server.lifecycle.uvicorn_options``."""
+    state = app.state.server
+    state.listen_url = functools.partial(_bound_url, server)
+    state.exit_requested = lambda: bool(server.should_exit)
 
 
 def _bound_url(server: uvicorn.Server) -> str | None:

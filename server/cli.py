@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -47,6 +48,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
     from runtime.engine import Engine
     from server.app import attach_server, create_app
+    from server.lifecycle import uvicorn_options
 
     logger.info("engine config: %s", json.dumps(asdict(engine_config)))
     logger.info("server config: %s", json.dumps(server_config.redacted()))
@@ -57,10 +59,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         port=server_config.port,
         log_config=None,  # keep our handlers and format for uvicorn's loggers too
         log_level=server_config.log_level,
-        timeout_graceful_shutdown=5,
+        **uvicorn_options(server_config),
     )
     server = uvicorn.Server(uv_config)
     attach_server(app, server)
+    # uvicorn handles SIGTERM with a graceful shutdown, then re-raises it to the handler it found: with the
+    # default one the process would die by the signal (status 143) after a clean shutdown. This one makes it exit
+    # 0, and also stops a server that got SIGTERM before uvicorn took the signal over.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
 
     async def run() -> int:
         watcher = asyncio.ensure_future(_stop_on_load_failure(server, app.state.server))

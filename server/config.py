@@ -25,10 +25,26 @@ class ServerConfig:
     served_model_name: str = _opt("", "Model name clients use; default: the --model value's last path part.")
     chat_template: str = _opt("", "A Jinja chat template (a file path or the template text) overriding the model's.")
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
+    shutdown_grace_period: float = _opt(
+        10.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted."
+    )
+    max_body_bytes: int = _opt(16 << 20, "Largest request body accepted; larger ones get 413.")
+    max_json_depth: int = _opt(64, "Deepest nesting of arrays/objects accepted in a JSON body; deeper gets 400.")
+    request_read_timeout: float = _opt(
+        30.0, "Seconds a client may take to send a request's headers and body; slower ones get 408."
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.shutdown_grace_period < 0:
+            raise ValueError(f"--shutdown-grace-period must be >= 0 seconds, got {self.shutdown_grace_period}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_json_depth < 8:
+            raise ValueError(f"--max-json-depth must be >= 8, got {self.max_json_depth}")
+        if self.request_read_timeout <= 0:
+            raise ValueError(f"--request-read-timeout must be > 0 seconds, got {self.request_read_timeout}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.chat_template:

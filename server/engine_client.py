@@ -73,13 +73,22 @@ class RequestGroup:
         self._last: list[float | None] = []
 
     def submit(self, requests: Sequence[tuple[list[int], SamplingParams, str | None]]) -> None:
-        """Submit every request or none: on the first refusal the ones already queued are aborted."""
+        """Submit every request or none: on the first refusal the ones already queued are aborted. A rid that a
+        running request already has is a 409 (the engine would refuse it too, but only after queueing it)."""
         for index, (prompt_ids, params, rid) in enumerate(requests):
+            if rid is not None and rid in self.inflight:
+                self.close()
+                raise APIError(
+                    409, f"a running request already has rid {rid!r}; give each request its own", param="rid"
+                )
             try:
                 rid = self.engine.submit(prompt_ids, params, self._sink(index), rid)
             except Exception as exc:  # noqa: BLE001 - mapped to the HTTP status the client should see
                 self.close()
-                raise from_engine_error(exc, self.native) from None
+                error = from_engine_error(exc, self.native)
+                if error.status == 429:
+                    self.metrics.refused_request("queue_full")
+                raise error from None
             self.rids.append(rid)
             self._done.append(False)
             self._start.append(time.monotonic())

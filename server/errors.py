@@ -128,8 +128,17 @@ def internal_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "bytes"})
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the union member an error is about inside its loc ("str", "list[int]", "ContentPart");
+    request field names are snake_case, so a tag is never mistaken for one."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part or part[:1].isupper())
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if p != "body" and not _is_union_tag(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -146,7 +155,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON ({detail}); send a JSON object", None
     if first.get("type") == "missing" and first.get("loc") == ("body",):
         return "the request needs a JSON body", None
-    param = _loc(tuple(first.get("loc", ()))) or None
+    loc = tuple(first.get("loc", ()))
+    param = _loc(loc) or None
     msg = first.get("msg", "invalid value")
     if param is None:
         return f"the request body must be a JSON object sent with Content-Type: application/json ({msg})", None

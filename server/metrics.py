@@ -5,6 +5,8 @@ metrics are recorded by the server from the timestamps of each request's output 
 refreshed from ``Engine.server_info()`` when /metrics is scraped.
 
 Queue time is the engine's own measure (arrival to admission into a batch), carried on a request's first output.
+Under pressure: ``request_refused{reason="queue_full"}`` counts 429s, ``retractions`` and ``evicted_tokens`` follow
+the engine's totals (exported as counters by their increase since the previous scrape). See docs/operations.md.
 
 Grammar queue: ``num_requests_waiting_grammar`` counts the requests whose constraint is compiling, both those the
 server awaits before submitting (tracked live here) and those in the engine's own grammar queue (as of the last
@@ -112,6 +114,22 @@ class Metrics:
             [*labels, "stat"],
             registry=r,
         )
+        self.refused = Counter(
+            f"{PREFIX}request_refused",
+            "Requests refused at admission (reason queue_full: the waiting queue was full, HTTP 429).",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.retractions = Counter(
+            f"{PREFIX}retractions",
+            "Running requests sent back to the queue to free KV (the pool is short for the batch).",
+            labels,
+            registry=r,
+        )
+        self.evicted = Counter(
+            f"{PREFIX}evicted_tokens", "Cached prefix tokens evicted from the radix cache.", labels, registry=r
+        )
+        self._seen = {"retractions": 0, "evicted_tokens": 0}  # engine totals at the last scrape
         self.model_name = model_name
         self.awaiting_grammar = 0  # compiles the server awaits before submitting (event-loop thread only)
         self._engine_grammar_queue = 0
@@ -140,6 +158,9 @@ class Metrics:
         """A request the server aborted because its client went away (its final output is never read)."""
         self.requests.labels(self.model_name, "abort").inc()
 
+    def refused_request(self, reason: str) -> None:
+        self.refused.labels(self.model_name, reason).inc()
+
     def grammar_wait(self, delta: int) -> None:
         """A request started (+1) or stopped (-1) awaiting its grammar's compilation in the server."""
         self.awaiting_grammar += delta
@@ -152,7 +173,13 @@ class Metrics:
         self.waiting.labels(m).set(info["num_waiting_requests"])
         self.kv_usage.labels(m).set(kv["in_use_tokens"] / kv["total_tokens"] if kv["total_tokens"] else 0.0)
         self.kv_cached.labels(m).set(kv["cached_tokens"])
-        self.hit_rate.labels(m).set(info.get("cache_stats", {}).get("cache_hit_rate", 0.0))
+        stats = info.get("cache_stats", {})
+        self.hit_rate.labels(m).set(stats.get("cache_hit_rate", 0.0))
+        for name, counter in (("retractions", self.retractions), ("evicted_tokens", self.evicted)):
+            total = int(stats.get(name, 0))
+            if total > self._seen[name]:  # the engine's totals only grow: export the increase as a counter
+                counter.labels(m).inc(total - self._seen[name])
+                self._seen[name] = total
         grammar = dict(info.get("grammar") or {})
         self._engine_grammar_queue = int(grammar.pop("queue", 0))
         self.grammar_wait(0)

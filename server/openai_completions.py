@@ -35,8 +35,9 @@ router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 DEFAULT_MAX_TOKENS = 16
 
 
-def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], str]]:
-    """``(token ids, text)`` per prompt; the text is what ``echo`` returns."""
+def _prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:
+    """``(token ids, text)`` per prompt; the text is what ``echo`` returns. Token ids are checked before they are
+    decoded (the tokenizer cannot decode an id outside its vocabulary)."""
     raw = req.prompt
     if isinstance(raw, str):
         items: list[Any] = [raw]
@@ -53,6 +54,9 @@ def _prompts(req: CompletionRequest, tokenizer: Any) -> list[tuple[list[int], st
             text = item
         else:
             ids = list(item)
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"prompt {k}: token id {bad} is out of range [0, {vocab_size})", "prompt")
             text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
         if not ids:
             raise bad_request(f"prompt {k} is empty: give at least one token", "prompt")
@@ -72,7 +76,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     want_lps = body.logprobs is not None
     if body.stream and body.echo and want_lps:
         raise bad_request("echo with logprobs is only supported without stream", "echo")
-    prompts = _prompts(body, engine.tokenizer)
+    prompts = _prompts(body, engine.tokenizer, engine.vocab_size)
     requests: list[tuple[list[int], SamplingParams, str | None]] = []
     cid = f"cmpl-{uuid.uuid4().hex}"
     for p, (ids, _) in enumerate(prompts):

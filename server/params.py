@@ -24,6 +24,11 @@ _NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
 }
 # SGLang sampling_params keys that are spelled differently here.
 _NATIVE_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# Sizes beyond what any client needs, bounding the per-token work one request can cause (stop strings are
+# searched after every token, stop ids and biases are applied to every step's logits).
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -176,7 +181,24 @@ def _check_types(params: SamplingParams) -> None:
 
 
 def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
+    prefix = "sampling_params." if native else ""
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:  # checked here too, to name the parameter
+            raise bad_request(f"{name}: token id {bad} is out of range [0, {vocab_size})", prefix + name)
     try:
         params.validate(vocab_size)
     except ValueError as exc:
         raise from_engine_error(exc, native) from None
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"stop strings may be at most {MAX_STOP_CHARS} characters, got {longest}", prefix + "stop")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(params.stop_token_ids)}",
+            prefix + "stop_token_ids",
+        )
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(params.logit_bias)}", prefix + "logit_bias"
+        )

@@ -1,7 +1,8 @@
 """What every route shares: the engine (possibly still loading), the server config, metrics, requests in flight.
 
-Life cycle of the engine as /health sees it: ``loading`` (503) -> ``ready`` (200) -> ``dead`` (503) if its
-thread stops or loading failed. Routes that need the engine call ``ready_engine()``, which raises the 503.
+Life cycle of the engine as /health sees it: ``loading`` (503) -> ``ready`` (200) -> ``draining`` (503, the
+server is shutting down: see ``server.lifecycle``) or ``dead`` (503) if its thread stops or loading failed. Routes
+that need the engine call ``ready_engine()``, which raises the 503 (with Retry-After while loading or draining).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from server.config import ServerConfig, default_served_name, load_chat_template
 from server.errors import APIError
 from server.metrics import Metrics
 from server.tokens import TokenNames
+
+RETRY_AFTER_UNAVAILABLE_S = 5
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -44,9 +47,13 @@ class ServerState:
         self._factory: EngineFactory | None = None
         self.owns_engine = False
         self.stopping = False
+        # Set when the server starts shutting down (SIGTERM): new requests get 503, in-flight ones finish.
+        self.draining = False
         self.ready_event = threading.Event()
-        # Set by ``server.app.attach_server``: the URL uvicorn listens on, None until it does.
+        # Set by ``server.app.attach_server``: the URL uvicorn listens on (None until it does), and whether
+        # uvicorn was asked to exit.
         self.listen_url: Callable[[], str | None] | None = None
+        self.exit_requested: Callable[[], bool] | None = None
         if callable(engine_or_factory) and not hasattr(engine_or_factory, "submit"):
             self._factory = engine_or_factory
             self.owns_engine = True
@@ -89,7 +96,7 @@ class ServerState:
         return self._engine
 
     def status(self) -> tuple[str, str | None]:
-        """``(status, why)`` with status ``loading``, ``ready`` or ``dead``."""
+        """``(status, why)`` with status ``loading``, ``ready``, ``draining`` or ``dead``."""
         if self.load_error:
             return "dead", self.load_error
         engine = self._engine
@@ -97,12 +104,15 @@ class ServerState:
             return "loading", "the model is still loading; retry when /health returns 200"
         if not engine.alive:
             return "dead", f"the engine is not running: {engine.error or 'it has shut down'}"
+        if self.draining:
+            return "draining", "the server is shutting down and takes no new requests; retry on another replica"
         return "ready", None
 
     def ready_engine(self) -> Engine:
         status, why = self.status()
         if status != "ready":
-            raise APIError(503, why or status, code=f"engine_{status}")
+            headers = {"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)} if status in ("loading", "draining") else None
+            raise APIError(503, why or status, code=f"engine_{status}", headers=headers)
         assert self._engine is not None
         return self._engine
 

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from server.app import attach_server
+from server.lifecycle import uvicorn_options
 
 START_TIMEOUT_S = 30.0
 
@@ -30,7 +31,8 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=5)
+        options = uvicorn_options(app.state.server.config)
+        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, **options)
         self.server = uvicorn.Server(config)
         attach_server(app, self.server)
         self.thread = threading.Thread(target=self.server.run, name="radixserve-uvicorn", daemon=True)
@@ -49,8 +51,9 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        """Shut down as on SIGTERM: requests in flight get the app's --shutdown-grace-period to finish."""
         self.server.should_exit = True
-        self.thread.join(START_TIMEOUT_S)
+        self.thread.join(START_TIMEOUT_S + self.server.config.timeout_graceful_shutdown)
 
     def __enter__(self) -> ServerThread:
         return self.start()

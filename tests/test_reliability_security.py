@@ -1,0 +1,162 @@
+"""Security and grammar safety: loopback by default, admin routes behind the API key, request content that never
+becomes code or a file access, no prompt text in the logs at info level, and a grammar whose compilation hangs
+that fails its own request (400) without holding up anyone else."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from runtime.engine import Engine
+from runtime.request import Req
+from server import ServerConfig, create_app
+from server.cli import build_parser
+from server.testing import ServerThread
+from tests.test_server_tiny import USER, assert_error, wait_idle
+
+SECRET = "zebra-quartz-7741 my bank PIN"
+KEY = "k" * 32
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
+        eng = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048, grammar_compile_timeout=1.0)
+    yield eng
+    eng.shutdown()
+
+
+def test_binds_loopback_by_default() -> None:
+    assert ServerConfig().host == "127.0.0.1"
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1"
+
+
+def test_every_route_but_health_needs_the_key(engine: Engine) -> None:
+    with (
+        ServerThread(create_app(engine, ServerConfig(api_key=KEY))) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as http,
+    ):
+        assert http.get("/health").status_code == 200
+        wrong = {"Authorization": "Bearer " + "k" * 31 + "x"}  # same length, one character off
+        calls = [
+            ("POST", "/flush_cache", None),
+            ("POST", "/abort_request", {"abort_all": True}),
+            ("GET", "/server_info", None),
+            ("GET", "/metrics", None),
+            ("POST", "/generate", {"text": "x"}),
+            ("POST", "/tokenize", {"prompt": "x"}),
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/chat/completions", {"messages": USER}),
+        ]
+        for method, path, body in calls:
+            for headers in ({}, wrong, {"Authorization": KEY}):
+                resp = http.request(method, path, json=body, headers=headers)
+                err = assert_error(resp, 401)
+                assert err["code"] == "invalid_api_key" and resp.headers["WWW-Authenticate"] == "Bearer"
+        good = {"Authorization": f"Bearer {KEY}"}
+        assert http.post("/flush_cache", headers=good).json()["success"] is True
+        assert KEY not in http.get("/server_info", headers=good).text
+
+
+def test_request_content_is_never_code_or_a_path(engine: Engine) -> None:
+    """Template syntax in a message is text; template variables from the request cannot replace the template or
+    the conversation; a model name that is a path loads nothing."""
+    with ServerThread(create_app(engine, ServerConfig())) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        payload = "{{ 7 * 7 }} {% for x in range(3) %}loop{% endfor %} {{ ''.__class__.__mro__ }}"
+        rendered = http.post("/tokenize", json={"messages": [{"role": "user", "content": payload}]}).json()["prompt"]
+        assert payload in rendered and "49" not in rendered and "looploop" not in rendered
+
+        def prompt_tokens(**extra: Any) -> int:
+            body = {"messages": USER, "max_tokens": 1, **extra}
+            resp = http.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return resp.json()["usage"]["prompt_tokens"]
+
+        hostile = {"chat_template": "{{ 'pwned' * 500 }}", "messages": [], "add_generation_prompt": False}
+        assert prompt_tokens(chat_template_kwargs=hostile) == prompt_tokens()
+        for model in ("/etc/passwd", "../../../../etc/passwd", "smollm2-135m-instruct"):
+            assert_error(http.post("/v1/chat/completions", json={"model": model, "messages": USER}), 404)
+
+
+def test_logs_hold_no_prompts(engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """At info level, neither served requests, refused ones nor failed ones put prompt text into the logs."""
+    core = engine.core
+    real_append = core._append_token
+
+    def append(req: Req, token: int, logprob: Any, now: float) -> None:
+        if req.rid.startswith("fault"):
+            raise RuntimeError("simulated fault")
+        real_append(req, token, logprob, now)
+
+    with (
+        caplog.at_level(logging.INFO),
+        ServerThread(create_app(engine, ServerConfig()), log_level="info") as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as http,
+    ):
+        messages = [{"role": "user", "content": SECRET}]
+        calls = [
+            ("/v1/chat/completions", {"messages": messages, "max_tokens": 3}, 200),
+            ("/v1/completions", {"prompt": SECRET, "max_tokens": 3, "stream": True}, 200),
+            ("/generate", {"text": SECRET, "sampling_params": {"max_new_tokens": 2}}, 200),
+            ("/v1/chat/completions", {"messages": [{"role": SECRET, "content": "x"}]}, 400),
+            ("/v1/chat/completions", {"messages": messages, "regex": SECRET + "("}, 400),
+        ]
+        for path, body, status in calls:
+            assert http.post(path, json=body).status_code == status
+        core._append_token = append  # type: ignore[method-assign]
+        try:
+            resp = http.post("/generate", json={"text": SECRET, "rid": "fault-1"})
+        finally:
+            core._append_token = real_append  # type: ignore[method-assign]
+        assert resp.status_code == 500
+    assert "simulated fault" in caplog.text  # the fault itself is logged, with its traceback
+    assert SECRET not in caplog.text
+    assert SECRET.split()[0] not in caplog.text
+
+
+def test_hanging_compile_fails_alone(engine: Engine) -> None:
+    """A constraint whose compilation runs past --grammar-compile-timeout gets a 400 (code constraint_timeout);
+    while it compiles, other requests are served; the compiler stays usable."""
+    compiler = engine.grammar.compiler
+    real_compile = compiler.backend.compile
+    compiling = threading.Event()
+    compile_done = threading.Event()
+
+    def slow_compile(spec: Any) -> Any:
+        if spec.kind == "regex" and spec.value == "slow-[a-z]+":
+            compiling.set()
+            time.sleep(4.0)  # past the 1 s timeout; the worker is abandoned, not waited for
+            compile_done.set()
+        return real_compile(spec)
+
+    compiler.backend.compile = slow_compile  # type: ignore[method-assign]
+    try:
+        with (
+            ServerThread(create_app(engine, ServerConfig())) as srv,
+            httpx.Client(base_url=srv.url, timeout=30) as http,
+        ):
+            slow: Future[httpx.Response] = Future()
+            body = {"messages": USER, "max_tokens": 8, "regex": "slow-[a-z]+"}
+            threading.Thread(target=lambda: slow.set_result(http.post("/v1/chat/completions", json=body))).start()
+            assert compiling.wait(30)
+            fast = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True})
+            assert fast.status_code == 200 and fast.json()["usage"]["completion_tokens"] == 8
+            other = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 8, "regex": "[0-9]+"})
+            assert other.status_code == 200
+            assert not compile_done.is_set(), "the others were served while the slow grammar still compiled"
+            err = assert_error(slow.result(60), 400, param="regex")
+            assert err["code"] == "constraint_timeout"
+            wait_idle(http)
+    finally:
+        compiler.backend.compile = real_compile  # type: ignore[method-assign]
+    engine.call(lambda core: core.cache.check(core.scheduler.holders()))
