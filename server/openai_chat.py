@@ -60,7 +60,11 @@ def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     tool = forced_tool_constraint(req)
-    constraint = at_most_one([*body_constraints(req), response_format_constraint(req.response_format), tool])
+    fmt = response_format_constraint(req.response_format)  # validated even when unused: malformed stays a 400
+    if tool is not None:
+        # As in OpenAI's API, response_format governs a content answer only, and a forced call never gives one.
+        fmt = None
+    constraint = at_most_one([*body_constraints(req), fmt, tool])
     return constraint, tool is not None
 
 

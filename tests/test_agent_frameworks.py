@@ -217,12 +217,6 @@ def test_agents_sdk_structured_output(server: ServerThread) -> None:
     assert "paris" in answer.city.lower() and answer.conditions == "sunny"
 
 
-@pytest.mark.xfail(
-    raises=openai.BadRequestError,
-    strict=True,
-    reason="the server refuses response_format together with a forced tool_choice (conflicting_constraints); "
-    "OpenAI applies response_format only to a content answer, which a forced call never gives",
-)
 def test_agents_sdk_tool_loop_with_output_type(server: ServerThread) -> None:
     """The usual agent: tools plus a typed final output. The SDK sends both on every turn."""
     calls: list[str] = []

@@ -215,8 +215,7 @@ def _status_and_error(raw: bytes) -> tuple[int, dict[str, Any]]:
 def test_slow_and_idle_connections(served: tuple[ServerThread, Engine], http: httpx.Client) -> None:
     """A half-sent body and half-sent headers get 408 after --request-read-timeout; a connection that never sends
     a byte is closed; meanwhile, and afterwards, other clients are served."""
-    srv, _ = srv_engine = served
-    port = srv.port
+    port = served[0].port
     head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
     half_body = _raw(port, head + b"Content-Length: 500\r\n\r\n" + b'{"messages": [')
     half_head = _raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0")
@@ -231,7 +230,6 @@ def test_slow_and_idle_connections(served: tuple[ServerThread, Engine], http: ht
         assert _read_all(sock) == b""  # closed without a response
     assert time.monotonic() - start < READ_TIMEOUT_S + 10
     _still_serves(http)
-    del srv_engine
 
 
 def test_nothing_leaked(served: tuple[ServerThread, Engine], http: httpx.Client) -> None:

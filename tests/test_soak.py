@@ -34,7 +34,7 @@ from runtime.engine import Engine
 from server import ServerConfig, create_app
 from server.testing import ServerThread
 
-NUM_REQUESTS = int(os.environ.get("RADIXSERVE_SOAK_REQUESTS", "400"))
+NUM_REQUESTS = int(os.environ.get("RADIXSERVE_SOAK_REQUESTS", "600"))
 CONCURRENCY = 32
 SEED = 20240601
 SYSTEM = "You are a terse assistant for a serving-engine soak test. " * 6
