@@ -31,7 +31,7 @@ from server.logprobs import chat_logprobs
 from server.params import budget, openai_params
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
-from server.streaming import DONE, SSEResponse, sse
+from server.streaming import DONE, SSEResponse, stream_chunk
 from server.tokens import encode
 from server.tool_calls import ToolCallScanner, forced_tool_constraint
 from server.tool_parser import ToolCallStream, parse_tool_calls
@@ -150,16 +150,7 @@ async def _stream(
     assert names is not None
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": cid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.served_name,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage_
-        return sse(payload)
+        return stream_chunk(cid, "chat.completion.chunk", created, state.served_name, choices, usage_, include_usage)
 
     def delta(index: int, d: dict[str, Any], logprobs: Any = None, reason: str | None = None) -> str:
         return chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}])

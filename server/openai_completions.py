@@ -27,7 +27,7 @@ from server.openai_chat import finish_reason, usage
 from server.params import budget, openai_params
 from server.protocol import CompletionRequest
 from server.state import ServerState
-from server.streaming import DONE, SSEResponse, sse
+from server.streaming import DONE, SSEResponse, stream_chunk
 from server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
@@ -164,16 +164,7 @@ async def _stream(
     offsets = [0] * len(group.rids)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.served_name,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage_
-        return sse(payload)
+        return stream_chunk(cid, "text_completion", created, state.served_name, choices, usage_, include_usage)
 
     finals: list[ReqOutput | None] = [None] * len(group.rids)
     try:

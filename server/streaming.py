@@ -21,6 +21,23 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def stream_chunk(
+    cid: str,
+    obj: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    include_usage: bool,
+) -> str:
+    """One OpenAI stream chunk as an SSE event; with ``include_usage`` every chunk carries ``usage`` (null but on
+    the final usage chunk), as OpenAI sends it."""
+    payload: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        payload["usage"] = usage
+    return sse(payload)
+
+
 def sse_error(exc: BaseException) -> str:
     """An error after the 200 headers went out can only be reported in the stream itself."""
     err = exc if isinstance(exc, APIError) else internal_error(exc)
