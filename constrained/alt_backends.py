@@ -60,6 +60,9 @@ class XGrammarMatcher:
         self._m.rollback(num_tokens)
         self._accepted -= num_tokens
 
+    def error(self) -> str | None:
+        return None  # xgrammar has no error state: a refused token is reported by accept_token alone
+
 
 class XGrammarGrammar:
     def __init__(self, key: str, info: TokenizerInfo, compiled: Any) -> None:
@@ -150,6 +153,9 @@ class OutlinesCoreMatcher:
         self._g.rollback_state(num_tokens)
         self._accepted -= num_tokens
         self._ended = False
+
+    def error(self) -> str | None:
+        return None  # the index is precomputed: no limit can be hit while decoding
 
 
 class OutlinesCoreGrammar:

@@ -14,13 +14,20 @@ Matcher invariants (every backend):
     ``can_terminate()``: EOS is allowed now;
   * ``forced_tokens()`` are tokens that every continuation starts with, tokenized canonically, never special;
     they are a suggestion: the caller appends them with ``accept_token`` (or not) and the state only moves then;
-  * ``rollback(n)`` undoes the last ``n`` accepted tokens, ``0 <= n <= num_tokens``.
+  * ``rollback(n)`` undoes the last ``n`` accepted tokens, ``0 <= n <= num_tokens``;
+  * ``error()`` is None while the grammar can be followed; once a backend limit is hit or no continuation exists
+    it says why, and stays set: the request must then fail (its mask no longer means anything).
+
+Every compiled grammar has been probed: its first masks were computed (on the compile worker, so a slow first
+mask never stalls the engine loop), and a grammar that admits no output or blows a backend limit at once is
+refused at compile time with ``GrammarError``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -54,6 +61,8 @@ _SPEC_FORMATS = (
 )
 MAX_GRAMMAR_CHARS = 8 << 20  # a rewritten schema this large is refused before the backend parses it
 _RECURSION = re.compile(r"circular references|stack level exceeded|schema too large")
+PROBE_STEPS = 4
+NO_OUTPUT = "it admits no output (e.g. a rule or a $ref that refers only to itself, with no way to end)"
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
@@ -64,6 +73,7 @@ class Matcher(Protocol):
     def can_terminate(self) -> bool: ...
     def forced_tokens(self) -> list[int]: ...
     def rollback(self, num_tokens: int) -> None: ...
+    def error(self) -> str | None: ...
     @property
     def num_tokens(self) -> int: ...
 
@@ -159,6 +169,9 @@ class LLGuidanceMatcher:
             raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
         self._accepted -= num_tokens
 
+    def error(self) -> str | None:
+        return _explain(self._m.get_error()) if self._m.is_error() else None
+
 
 class LLGuidanceGrammar:
     """A compiled llguidance grammar: a pristine matcher that every request's matcher is copied from."""
@@ -231,10 +244,63 @@ class LLGuidanceBackend:
             matcher = self._matcher(self.grammar_text(spec, reshape=True))
         if matcher.is_error():
             raise _error(spec, matcher.get_error())
+        problem = self._probe(matcher)
+        if problem is not None:
+            raise problem
         return LLGuidanceGrammar(spec.key, self.info, matcher)
+
+    def _probe(self, template: llguidance.LLMatcher) -> GrammarError | None:
+        """Follow a copy of ``template`` for up to ``PROBE_STEPS`` tokens (the forced ones, else the smallest
+        allowed id); why the grammar cannot be served, or None.
+
+        This catches grammars with no finite output (``start: start``, a ``$ref`` to itself) and grammars whose
+        lexer blows its limits on the first tokens (``(a{1000}){1000}``). The lexer's state is shared by every copy
+        of the template, so the expensive first masks are computed here, on the compile worker, once.
+        """
+        probe = LLGuidanceMatcher(self.info, template.deep_copy())
+        row = torch.zeros((1, self.info.bitmask_words), dtype=torch.int32)
+        for _ in range(PROBE_STEPS):
+            probe.fill_bitmask(row, 0)
+            if probe.error() is None and probe.is_terminated():
+                return None
+            allowed = _first_allowed(row[0], exclude=self.info.eos_token_ids) if probe.error() is None else None
+            if allowed is None:
+                if probe.error() is None and probe.can_terminate():
+                    return None  # only the end is allowed, e.g. the empty-string grammar
+                why = probe.error() or NO_OUTPUT
+                kind = "too_complex" if "limit" in why or "too many" in why else "invalid"
+                return GrammarError(f"the constraint cannot be enforced: {why}", kind=kind)
+            forced = probe.forced_tokens()
+            for token in forced or [allowed]:
+                if not probe.accept_token(token):
+                    why = probe.error() or f"token {token} allowed by the mask was refused"
+                    return GrammarError(f"the constraint cannot be enforced: {why}", kind="too_complex")
+        return None
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.info.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+
+
+def _first_allowed(row: torch.Tensor, exclude: Sequence[int]) -> int | None:
+    """The smallest token id whose bit is set in one bitmask row, other than ``exclude``."""
+    words = row.nonzero().flatten().tolist()
+    for word in words:
+        bits = int(row[word]) & 0xFFFFFFFF
+        for bit in range(32):
+            token = word * 32 + bit
+            if bits >> bit & 1 and token not in exclude:
+                return token
+    return None
+
+
+def _explain(message: str) -> str:
+    """llguidance's terse error, with what it means for a user."""
+    message = message.replace("<non-verbose/>", "").strip()
+    if "NoExtensionBias" in message or not message:
+        return NO_OUTPUT
+    if "too many expressions" in message or "fuel" in message or "limit" in message:
+        return f"{message} (a backend limit was hit: the pattern is too large, e.g. nested counted repetitions)"
+    return message
 
 
 def _error(spec: ConstraintSpec, message: str) -> GrammarError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.request import Req, TokenLogprob
+from runtime.request import ErrorCode, Req, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ class BatchPlan:
         return sum(1 for c in self.chunks if c.is_decode)
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why one request of a step failed, and whose fault it is."""
+
+    message: str
+    code: ErrorCode = ErrorCode.ENGINE
+
+
 @dataclass
 class StepResult:
     """What the model runner produced for a plan, indexed like ``plan.chunks``.
@@ -51,4 +59,4 @@ class StepResult:
     next_tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)  # chunk index -> why that request failed
+    errors: dict[int, Failure] = field(default_factory=dict)  # chunk index -> why that request failed

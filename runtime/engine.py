@@ -29,7 +29,7 @@ from runtime.grammar import GrammarSupport
 from runtime.kv_pool import KVPool, available_memory_bytes
 from runtime.loader import load_model
 from runtime.model_runner import ModelRunner
-from runtime.request import FinishReason, Req, ReqOutput
+from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from runtime.sampler import Sampler
 from runtime.sampling_params import SamplingParams
 
@@ -317,8 +317,10 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the engine
             if not isinstance(exc, ValueError):
                 logger.exception("request %s failed while being added", req.rid)
-            req.finish_reason = FinishReason.ERROR
-            req.error = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ValueError):
+                req.fail(str(exc), ErrorCode.INVALID)
+            else:
+                req.fail(f"{type(exc).__name__}: {exc}")
             with self._count_lock:
                 self._unfinished -= 1
             try:
@@ -405,6 +407,7 @@ def _final(req: Req) -> ReqOutput:
         finished=True,
         finish_reason=req.finish_reason,
         error=req.error,
+        error_code=req.error_code,
         prompt_tokens=len(req.prompt_ids),
         completion_tokens=len(req.output_ids),
     )
@@ -436,6 +439,7 @@ class _Collector:
                         "finish_reason": out.finish_reason.value if out.finish_reason else None,
                         "matched_stop": out.matched_stop,
                         "error": out.error,
+                        "error_code": out.error_code,
                         "output_token_logprobs": self.logprobs,
                         "input_token_logprobs": out.prompt_logprobs,
                     },

@@ -14,9 +14,10 @@ from runtime import envs
 from runtime.batch import BatchPlan, ScheduledChunk, StepResult
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer, StopChecker
+from runtime.grammar import GrammarViolation
 from runtime.kv_cache import KVCacheManager
 from runtime.model_runner import ModelRunner
-from runtime.request import FinishReason, Req, ReqOutput
+from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from runtime.scheduler import Scheduler
 from runtime.stats import EngineStats
 
@@ -96,7 +97,7 @@ class EngineCore:
             req.grammar_future = None
             exc = fut.exception()
             if exc is not None:
-                req.finish_reason, req.error = FinishReason.ERROR, f"invalid constraint: {exc}"
+                req.fail(f"invalid constraint: {exc}", ErrorCode.GRAMMAR)
                 outputs.append(self._finish(req))
             else:
                 req.grammar = fut.result().new_matcher()
@@ -145,8 +146,11 @@ class EngineCore:
             try:
                 out = self._apply_one(i, chunk, result, now)
             except Exception as exc:  # noqa: BLE001 - one request's fault (e.g. detokenizing) fails only it
-                logger.exception("request %s failed while applying its step", req.rid)
-                req.finish_reason, req.error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, GrammarViolation):
+                    req.fail(str(exc), exc.code)
+                else:
+                    logger.exception("request %s failed while applying its step", req.rid)
+                    req.fail(f"{type(exc).__name__}: {exc}")
                 out = self._finish(req)
             if out is not None:
                 outputs.append(out)
@@ -163,7 +167,7 @@ class EngineCore:
         if result.prompt_logprobs and result.prompt_logprobs[i]:
             req.prompt_logprobs.extend(result.prompt_logprobs[i])
         if i in result.errors:
-            req.finish_reason, req.error = FinishReason.ERROR, result.errors[i]
+            req.fail(result.errors[i].message, result.errors[i].code)
             return self._finish(req)
         if not chunk.is_decode:
             self.cache.cache_prefix(req)
@@ -189,6 +193,7 @@ class EngineCore:
             self.stats.forced_tokens += 1
 
     def _append_token(self, req: Req, token: int, logprob, now: float) -> None:
+        n_before = len(req.output_ids)
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_ids.append(token)
@@ -196,6 +201,9 @@ class EngineCore:
         if logprob is not None:
             req.output_logprobs.append(logprob)
         if req.grammar is not None and not req.grammar.accept_token(token):
+            why = req.grammar.error()
+            if why is not None:
+                raise GrammarViolation(f"the constraint cannot be followed after {n_before} output tokens: {why}")
             raise RuntimeError(f"token {token} was sampled outside the request's grammar")
         params = req.params
         n_out = len(req.output_ids)
@@ -240,6 +248,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             matched_stop=req.matched_stop,
             error=req.error,
+            error_code=req.error_code,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
@@ -271,7 +280,7 @@ class EngineCore:
                 continue
             # The step's KV was never written; give back only what was computed before it.
             req.num_computed = chunk.start
-            req.finish_reason, req.error = FinishReason.ERROR, error
+            req.fail(error)
             outputs.append(self._finish(req))
         return outputs
 

@@ -22,7 +22,22 @@ from constrained import (
     bitmask_to_bool,
     fill_bitmasks,
 )
-from runtime.request import Req
+from runtime.batch import Failure
+from runtime.request import ErrorCode, Req
+
+
+class GrammarViolation(RuntimeError):
+    """A token could not be appended to a request's grammar: a backend limit was hit, or (a bug) the token was
+    never allowed. Fails that request alone."""
+
+    code = ErrorCode.GRAMMAR
+
+
+def grammar_failure(req: Req) -> Failure:
+    """The failure of a request whose matcher reports an error (``Matcher.error()``)."""
+    why = req.grammar.error() if req.grammar is not None else None
+    message = f"the constraint cannot be followed after {len(req.output_ids)} output tokens: {why}"
+    return Failure(message, ErrorCode.GRAMMAR)
 
 
 class GrammarSupport:

@@ -11,11 +11,11 @@ import os
 import torch
 
 from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext, PrefixGroup
-from runtime.batch import BatchPlan, StepResult
-from runtime.grammar import grammar_mask
+from runtime.batch import BatchPlan, Failure, StepResult
+from runtime.grammar import grammar_failure, grammar_mask
 from runtime.kv_pool import KVPool
 from runtime.models.llama import LlamaForCausalLM
-from runtime.request import TokenLogprob
+from runtime.request import ErrorCode, TokenLogprob
 from runtime.sampler import Sampler, token_logprobs
 
 # Below this many shared tokens, attending to a prefix separately costs more than it saves.
@@ -126,7 +126,7 @@ class ModelRunner:
             if bool(bad.any()):
                 # A numerical fault must fail its own request with a reason, never turn into a bogus token.
                 for j in bad.nonzero().flatten().tolist():
-                    errors[sample_idx[j]] = "the model produced non-finite logits for this request"
+                    errors[sample_idx[j]] = Failure("the model produced non-finite logits for this request")
                 keep = [j for j in range(len(sample_idx)) if not bad[j]]
                 sample_idx = [sample_idx[j] for j in keep]
                 logits = logits[self._tensor(keep)]
@@ -141,10 +141,22 @@ class ModelRunner:
         logits: torch.Tensor,
         next_tokens: list[int | None],
         logprobs: list[TokenLogprob | None],
-        errors: dict[int, str],
+        errors: dict[int, Failure],
     ) -> None:
         reqs = [plan.chunks[i].req for i in sample_idx]
         allowed = grammar_mask(reqs, logits.shape[1], self.device)
+        broken = [j for j, req in enumerate(reqs) if req.grammar is not None and req.grammar.error() is not None]
+        if broken:
+            # The grammar hit a backend limit while computing this mask: the row means nothing, fail the request.
+            for j in broken:
+                errors[sample_idx[j]] = grammar_failure(reqs[j])
+            keep = sorted(set(range(len(reqs))) - set(broken))
+            sample_idx = [sample_idx[j] for j in keep]
+            reqs = [reqs[j] for j in keep]
+            logits = logits[self._tensor(keep)]
+            allowed = allowed[self._tensor(keep)] if allowed is not None else None
+            if not sample_idx:
+                return
         try:
             out = self.sampler.sample(logits, reqs, allowed)
         except ValueError:
@@ -163,7 +175,7 @@ class ModelRunner:
                 next_tokens[i] = single.token_ids[0]
                 logprobs[i] = single.logprobs[0]
             except ValueError as exc:
-                errors[i] = str(exc)
+                errors[i] = Failure(str(exc), ErrorCode.GRAMMAR if reqs[j].grammar is not None else ErrorCode.ENGINE)
 
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
         """Log-probs of the prompt tokens predicted inside this chunk: position p predicts token p + 1."""

@@ -15,6 +15,18 @@ from typing import Any
 from runtime.sampling_params import SamplingParams
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a request finished with ``FinishReason.ERROR``: whether the client or the server is at fault."""
+
+    ENGINE = "engine_error"  # a fault of the server (model step, a bug): HTTP 500
+    GRAMMAR = "grammar_error"  # the request's own constraint cannot be followed (a backend limit, no output): 400
+    INVALID = "invalid_request"  # the request is invalid for this engine (caught on submission): 400
+
+    @property
+    def client_fault(self) -> bool:
+        return self is not ErrorCode.ENGINE
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id, a stop string, or a completed grammar
     LENGTH = "length"  # max_new_tokens or the context length reached
@@ -63,6 +75,7 @@ class Req:
         self.finish_reason: FinishReason | None = None
         self.matched_stop: str | int | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # an ``ErrorCode`` value when ``finish_reason`` is ERROR
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
         self.generator: Any = None  # torch.Generator, created by the sampler on first use (seeded when asked)
@@ -99,6 +112,10 @@ class Req:
     def wants_prompt_logprobs(self) -> bool:
         return 0 <= self.params.logprob_start_len < len(self.prompt_ids)
 
+    def fail(self, error: str, code: ErrorCode = ErrorCode.ENGINE) -> None:
+        """Mark this request failed (the caller finishes it)."""
+        self.finish_reason, self.error, self.error_code = FinishReason.ERROR, error, code.value
+
     def __repr__(self) -> str:
         return (
             f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
@@ -121,6 +138,7 @@ class ReqOutput:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -38,6 +38,7 @@ class Result:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -51,6 +52,7 @@ class Result:
             self.finish_reason = out.finish_reason
             self.matched_stop = out.matched_stop
             self.error = out.error
+            self.error_code = out.error_code
             self.prompt_tokens = out.prompt_tokens
             self.completion_tokens = out.completion_tokens
             self.cached_tokens = out.cached_tokens

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from constrained import GrammarError
 from runtime.engine import EngineDeadError, EngineOverloadedError
+from runtime.request import ErrorCode
 
 logger = logging.getLogger("radixserve.server")
 
@@ -73,6 +74,15 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
+
+
+def request_failed(error: str | None, code: str | None) -> APIError:
+    """The error for a request the engine finished with ``FinishReason.ERROR``: 400 when the request itself is at
+    fault (its constraint cannot be followed, it is invalid for this engine), else 500."""
+    code = code or ErrorCode.ENGINE.value
+    if ErrorCode(code).client_fault:
+        return APIError(400, f"the request cannot be served: {error}", code=code)
+    return APIError(500, f"the request failed inside the engine: {error}", code=code)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

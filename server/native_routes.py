@@ -18,7 +18,7 @@ from server.chat import normalize_messages
 from server.constraints import compile_constraints, native_constraint
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
-from server.errors import APIError, bad_request, from_engine_error
+from server.errors import APIError, bad_request, from_engine_error, request_failed
 from server.logprobs import native_logprobs, prompt_entries
 from server.metrics import CONTENT_TYPE
 from server.params import native_params
@@ -63,7 +63,7 @@ def _finish(res: Result) -> dict[str, Any] | None:
     if res.finish_reason is None:
         return None
     if res.finish_reason == FinishReason.ERROR:
-        raise APIError(500, f"the request failed inside the engine: {res.error}", code="engine_error")
+        raise request_failed(res.error, res.error_code)
     if res.finish_reason == FinishReason.LENGTH:
         return {"type": "length", "length": res.completion_tokens}
     if res.finish_reason == FinishReason.STOP:

@@ -26,7 +26,7 @@ from server.constraints import (
 )
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
-from server.errors import APIError, bad_request
+from server.errors import bad_request, request_failed
 from server.logprobs import chat_logprobs
 from server.params import budget, openai_params
 from server.protocol import ChatCompletionRequest
@@ -39,10 +39,10 @@ from server.tool_parser import ToolCallStream, parse_tool_calls
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
 
-def finish_reason(reason: FinishReason | None, error: str | None) -> str:
-    """OpenAI's finish_reason for an engine one; a request that failed in the engine is a 500 for it alone."""
+def finish_reason(reason: FinishReason | None, error: str | None, code: str | None = None) -> str:
+    """OpenAI's finish_reason for an engine one; a request that failed in the engine is an error for it alone."""
     if reason == FinishReason.ERROR:
-        raise APIError(500, f"the request failed inside the engine: {error}", code="engine_error")
+        raise request_failed(error, code)
     return reason.value if reason is not None else FinishReason.ABORT.value
 
 
@@ -109,7 +109,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 def _choice(
     index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: set[str], forced: bool
 ) -> dict:
-    reason = finish_reason(res.finish_reason, res.error)
+    reason = finish_reason(res.finish_reason, res.error, res.error_code)
     message: dict[str, Any] = {"role": "assistant", "content": res.text}
     if forced:
         scanner = ToolCallScanner()
@@ -163,7 +163,7 @@ async def _stream(
         for i in range(n):
             yield delta(i, {"role": "assistant", "content": None if forced else ""})
         async for i, out in group:
-            reason = finish_reason(out.finish_reason, out.error) if out.finished else None
+            reason = finish_reason(out.finish_reason, out.error, out.error_code) if out.finished else None
             lps = chat_logprobs(out.logprobs, names) if body.logprobs and out.logprobs else None
             scanner = scanners[i]
             if scanner is not None:

@@ -130,7 +130,7 @@ def _usage(results: list[Result] | list[ReqOutput], n: int) -> dict[str, Any]:
 def _choice(
     index: int, res: Result, body: CompletionRequest, state: ServerState, prompt_ids: list[int], prompt_text: str
 ) -> dict[str, Any]:
-    reason = finish_reason(res.finish_reason, res.error)
+    reason = finish_reason(res.finish_reason, res.error, res.error_code)
     text = prompt_text + res.text if body.echo else res.text
     logprobs = None
     if body.logprobs is not None:
@@ -174,7 +174,7 @@ async def _stream(
                 offsets[i] = len(text)
                 yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
         async for i, out in group:
-            reason = finish_reason(out.finish_reason, out.error) if out.finished else None
+            reason = finish_reason(out.finish_reason, out.error, out.error_code) if out.finished else None
             lps = None
             if body.logprobs is not None and out.logprobs:
                 lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i])

@@ -197,6 +197,33 @@ def test_errors_name_the_problem(compiler) -> None:
     assert failed.done() and isinstance(failed.exception(), GrammarError)
 
 
+@pytest.mark.parametrize(
+    ("spec", "kind", "why"),
+    [
+        (ConstraintSpec("grammar", "start: start"), "invalid", "admits no output"),
+        (ConstraintSpec("grammar", 'start: a\na: a "x"'), "invalid", "admits no output"),
+        (ConstraintSpec("json_schema", {"$ref": "#"}), "invalid", "admits no output"),
+        (ConstraintSpec("regex", "(a{1000}){1000}"), "too_complex", "too many expressions"),
+    ],
+)
+def test_grammars_that_cannot_be_served_are_refused_at_compile_time(compiler, spec, kind, why) -> None:
+    """Without the compile-time probe these compiled: the first two ended at once with empty output, the last
+    stalled the engine loop for its first mask and then failed on the first token."""
+    with pytest.raises(GrammarError, match=why) as err:
+        compiler.compile(spec)
+    assert err.value.kind == kind
+
+
+def test_probe_keeps_grammars_that_end_at_once_or_recurse_with_a_base_case(compiler, info) -> None:
+    maybe_empty = compiler.compile(ConstraintSpec("regex", "(ab)?")).new_matcher()
+    assert allowed(maybe_empty, info).any() and maybe_empty.can_terminate()
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]}
+    matcher = compiler.compile(ConstraintSpec("json_schema", tree)).new_matcher()
+    for token in encode(info, '{"kids":[{"kids":[]}]}'):
+        assert matcher.accept_token(token)
+    assert matcher.error() is None and matcher.is_terminated()
+
+
 class _StuckBackend:
     """A backend whose compile of the spec ``regex: stuck`` blocks until released (a compile that never ends)."""
 

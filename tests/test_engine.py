@@ -242,3 +242,19 @@ def test_non_finite_logits_fail_only_their_request(engine: Engine) -> None:
     assert "non-finite logits" in failed["meta_info"]["error"]
     assert all(r["text"] for r in results if r["meta_info"]["finish_reason"] != "error")
     assert_all_free(engine)
+
+
+def test_grammar_hitting_a_backend_limit_fails_alone_as_the_clients_fault(engine: Engine) -> None:
+    """The probe at compile time follows a few tokens; this regex blows llguidance's lexer limit only once the
+    ``[bc]`` head is written, so the failure happens while decoding. It must fail that request with a grammar
+    error (a 400 over HTTP), and never a token outside the grammar, while the others finish."""
+    from constrained import ConstraintSpec
+
+    pathological = greedy(40, constraint=ConstraintSpec("regex", "[bc]{12}(a{1000}){1000}"))
+    results = engine.generate(PROMPTS[:3], [pathological, greedy(6), greedy(6)])
+    meta = results[0]["meta_info"]
+    assert (meta["finish_reason"], meta["error_code"]) == ("error", "grammar_error"), meta
+    assert "the constraint cannot be followed" in meta["error"] and "too many expressions" in meta["error"]
+    assert set(results[0]["text"]) <= {"b", "c"}
+    assert all(r["meta_info"]["finish_reason"] == "length" for r in results[1:])
+    assert_all_free(engine)

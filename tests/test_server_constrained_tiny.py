@@ -88,6 +88,9 @@ def test_constrained_params_served(http: httpx.Client, path: str, extra: dict, c
         ("/generate", {"sampling_params": {"regex": "a", "choices": ["a"]}}, "sampling_params.choices", "conflicting"),
         ("/v1/completions", {"regex": "a", "json_schema": {}}, "regex", "conflicting_constraints"),
         ("/v1/chat/completions", {"regex": "a", "response_format": {"type": "json_object"}}, None, "conflicting"),
+        ("/v1/completions", {"ebnf": "start: start"}, "ebnf", "invalid_constraint"),
+        ("/v1/completions", {"json_schema": {"$ref": "#"}}, "json_schema", "invalid_constraint"),
+        ("/generate", {"sampling_params": {"regex": "(a{1000}){1000}"}}, "sampling_params.regex", "constraint_too"),
     ],
 )
 def test_constraint_errors(http: httpx.Client, path: str, extra: dict, param: str | None, code: Any) -> None:
@@ -126,3 +129,19 @@ def test_tool_choice_forced(http: httpx.Client, client: openai.OpenAI) -> None:
     assert err["param"] == "tools[0].function.parameters" and "minProperties" in err["message"]
     metrics = http.get("/metrics").text
     assert "radixserve:num_requests_waiting_grammar{" in metrics and 'stat="hits"' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_failing_while_decoding_is_a_client_error(http: httpx.Client, stream: bool) -> None:
+    """This regex passes the compile-time probe and blows the lexer's limit after its ``[bc]`` head: a 400 naming
+    the cause (an error event when streaming), never a 500; the server keeps serving."""
+    body = {"prompt": "x", "max_tokens": 40, "temperature": 0, "regex": "[bc]{12}(a{1000}){1000}", "stream": stream}
+    if not stream:
+        err = assert_error(http.post("/v1/completions", json=body), 400)
+        assert err["code"] == "grammar_error" and "too many expressions" in err["message"]
+    else:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        error = json.loads(events[-2][len("data: ") :])["error"]
+        assert error["code"] == "grammar_error" and events[-1] == "data: [DONE]"
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
