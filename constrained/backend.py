@@ -230,7 +230,9 @@ class LLGuidanceBackend:
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":
-            lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value)
+            # One lexeme, not one rule per choice: the lexer's automaton handles tens of thousands of options,
+            # while an Earley row with one item per choice is capped at ``max_items_in_row``.
+            lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         try:
             return llguidance.grammar_from("grammar", spec.value)

@@ -224,6 +224,15 @@ def test_probe_keeps_grammars_that_end_at_once_or_recurse_with_a_base_case(compi
     assert matcher.error() is None and matcher.is_terminated()
 
 
+def test_large_choice_lists_compile(compiler, info) -> None:
+    choices = [f"label {i:05d}" for i in range(20000)]
+    matcher = compiler.compile(ConstraintSpec("choice", choices)).new_matcher()
+    for token in encode(info, "label 12345"):
+        assert matcher.accept_token(token)
+    assert matcher.is_terminated() or matcher.can_terminate()
+    assert not matcher.accept_token(encode(info, "x")[0])
+
+
 class _StuckBackend:
     """A backend whose compile of the spec ``regex: stuck`` blocks until released (a compile that never ends)."""
 
