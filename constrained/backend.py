@@ -62,6 +62,8 @@ _SPEC_FORMATS = (
 MAX_GRAMMAR_CHARS = 8 << 20  # a rewritten schema this large is refused before the backend parses it
 _RECURSION = re.compile(r"circular references|stack level exceeded|schema too large")
 PROBE_STEPS = 4
+# Longest forced stretch that jump-forward tokenizes at once (only pathological grammars force more).
+MAX_JUMP_BYTES = 64 << 10
 NO_OUTPUT = "it admits no output (e.g. a rule or a $ref that refers only to itself, with no way to end)"
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
@@ -153,8 +155,8 @@ class LLGuidanceMatcher:
         return self._m.is_accepting()
 
     def forced_tokens(self) -> list[int]:
-        if self._m.is_stopped():
-            return []
+        if self._m.is_stopped() or len(self._m.compute_ff_bytes()) > MAX_JUMP_BYTES:
+            return []  # tokenizing a giant forced stretch holds the GIL; the mask still forces it token by token
         out = []
         for tok in self._m.compute_ff_tokens():
             if tok in self._info.special_ids:

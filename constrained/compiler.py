@@ -21,6 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -67,6 +69,7 @@ class GrammarCompiler:
         backend: GrammarBackend | None = None,
         max_abandoned: int | None = None,
         error_ttl_s: float = 60.0,
+        nice: int = 0,
     ) -> None:
         if max_workers < 1 or cache_size < 1 or timeout_s <= 0:
             raise ValueError("max_workers and cache_size must be >= 1 and timeout_s > 0")
@@ -84,7 +87,12 @@ class GrammarCompiler:
         self._abandoned = 0
         self._closed = False
         self._cond = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers + self.max_abandoned, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(
+            max_workers + self.max_abandoned,
+            thread_name_prefix="grammar-compile",
+            initializer=_lower_priority,
+            initargs=(nice,),
+        )
         self._scheduler = threading.Thread(target=self._schedule, name="grammar-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -228,6 +236,21 @@ class GrammarCompiler:
                     self._store(job.key, error)
             self._cond.notify_all()
         _deliver([(job.waiters, result, error)])
+
+
+def _lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux, where a thread id is a valid target).
+
+    Compiles then run on the CPU time that decoding leaves: a burst of expensive (or abandoned) compiles cannot
+    slow the requests being served, and a timed-out compile wastes less CPU before its deadline.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # not permitted in this sandbox: compiles keep the normal priority
+        pass
 
 
 def _deliver(deliveries: list[Delivery]) -> None:

@@ -32,6 +32,14 @@ import llguidance.hf
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Texts whose encoding must round-trip through the raw-byte table (catches added prefix spaces and the like).
+# Spelled special tokens, code and prose: llguidance's Rust tokenizer must encode these exactly as ours does.
+_NATIVE_PROBES = (
+    "<|im_end|> <|im_start|>user\n</s><s>[INST]<|endoftext|><|eot_id|>",
+    "def f(x):\n    return {'a': [1, 2.5e-3, None]}  # ok\n\n",
+    "  The  quick\tbrown fox -- 'jumps' \"over\" 1,234.56 dogs!?\r\n",
+    "日本語のテキスト, émoji 🙂 and ∑ symbols",
+)
+LONG_TEXT = 2048  # characters; see _Source.__call__
 _ROUND_TRIP_PROBES = ("a", " a", '{"key":[1,2.5,"x y"]}', "héllo wörld ✓", "\n\t x")
 
 _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], TokenizerInfo]] = weakref.WeakKeyDictionary()
@@ -144,6 +152,39 @@ class TokenizerInfo:
         return info
 
 
+def _native(
+    backend: Any, size: int, eos: tuple[int, ...], special: set[int], tokens: tuple[bytes, ...], source: Any
+) -> llguidance.LLTokenizer | None:
+    """llguidance's own (Rust) copy of the tokenizer, or None when it would not agree with ``source``.
+
+    Why: with a Python tokenizer callback, every mask that has forced bytes (JSON keys, enum tails) calls back into
+    Python holding the GIL, so grammar work on the compile workers and the batched masks stall the engine loop.
+    In the copy, special added tokens are renamed to names no text contains, so text that spells ``<|im_end|>``
+    tokenizes as text (what ``encode_special_tokens=True`` does, a flag the JSON form cannot carry). The copy is
+    used only if it agrees with ``source`` on every id's bytes, on special-ness and on sample encodings.
+    """
+    spec = json.loads(backend.to_str())
+    vocab = spec.get("model", {}).get("vocab")
+    for added in spec.get("added_tokens", []):
+        if added.get("special"):
+            renamed = f"<radixserve-special-{added['id']}-\u2063>"
+            if isinstance(vocab, dict) and vocab.get(added["content"]) == added["id"]:
+                del vocab[added["content"]]
+                vocab[renamed] = added["id"]
+            added["content"] = renamed
+    try:
+        ll = llguidance.LLTokenizer(json.dumps(spec), n_vocab=size, eos_token=list(eos))
+    except (ValueError, RuntimeError):
+        return None
+    for i in range(size):
+        if (i in special) != ll.is_special_token(i) or (i not in special and ll.decode_bytes([i]) != tokens[i]):
+            return None
+    probes = _ROUND_TRIP_PROBES + _NATIVE_PROBES
+    if any(ll.tokenize_str(p) != source(p) for p in probes):
+        return None
+    return ll
+
+
 def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int, ...]) -> TokenizerInfo:
     raw, special = raw_token_bytes(backend)
     size = int(vocab_size or len(raw))
@@ -172,10 +213,18 @@ def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int,
         def __call__(self, text: bytes | str) -> list[int]:
             if isinstance(text, bytes):
                 text = text.decode("utf-8", errors="replace")
+            if len(text) > LONG_TEXT:
+                # llguidance tokenizes the whole forced stretch on every mask; ``encode_batch`` releases the GIL
+                # while it works, so a grammar forcing a long text cannot stall the engine loop.
+                return encoder.encode_batch([text], add_special_tokens=False)[0].ids
             return encoder.encode(text, add_special_tokens=False).ids
 
     source = _Source()
-    if all(b"".join(tokens[t] for t in source(p)) == p.encode("utf-8") for p in _ROUND_TRIP_PROBES):
+    round_trips = all(b"".join(tokens[t] for t in source(p)) == p.encode("utf-8") for p in _ROUND_TRIP_PROBES)
+    ll = _native(backend, size, eos, special, tokens, source) if round_trips else None
+    if ll is not None:
+        pass
+    elif round_trips:
         ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), eos_token=list(eos))
     else:
         # The tokenizer rewrites text while encoding (e.g. a SentencePiece prefix space): let llguidance drive

@@ -43,6 +43,9 @@ class EngineConfig:
     disable_jump_forward: bool = _opt(False, "Sample grammar-forced tokens one by one instead of appending them.")
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
     grammar_workers: int = _opt(2, "Threads compiling grammars (off the engine loop).")
+    grammar_nice: int = _opt(
+        10, "Niceness added to grammar-compile threads (Linux), so compiles use the CPU that decoding leaves."
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError("--grammar-compile-timeout must be > 0 seconds")
         if self.grammar_workers < 1:
             raise ValueError("--grammar-workers must be >= 1")
+        if not 0 <= self.grammar_nice <= 19:
+            raise ValueError("--grammar-nice must be between 0 (off) and 19")
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> type:

@@ -93,6 +93,7 @@ class Engine:
             sorted(loaded.eos_token_ids),
             workers=config.grammar_workers,
             timeout_s=config.grammar_compile_timeout,
+            nice=config.grammar_nice,
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}

@@ -43,12 +43,21 @@ def grammar_failure(req: Req) -> Failure:
 class GrammarSupport:
     """Builds the tokenizer's grammar vocabulary and the compiler on first use (most deployments never pay)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], workers: int, timeout_s: float):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        workers: int,
+        timeout_s: float,
+        nice: int = 0,
+    ):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._workers = workers
         self._timeout_s = timeout_s
+        self._nice = nice
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -57,7 +66,9 @@ class GrammarSupport:
         with self._lock:
             if self._compiler is None:
                 info = TokenizerInfo.from_hf(self._tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos)
-                self._compiler = GrammarCompiler(info, max_workers=self._workers, timeout_s=self._timeout_s)
+                self._compiler = GrammarCompiler(
+                    info, max_workers=self._workers, timeout_s=self._timeout_s, nice=self._nice
+                )
             return self._compiler
 
     def compile(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:

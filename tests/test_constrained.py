@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -224,6 +226,21 @@ def test_probe_keeps_grammars_that_end_at_once_or_recurse_with_a_base_case(compi
     assert matcher.error() is None and matcher.is_terminated()
 
 
+def test_spelled_special_token_in_a_constraint_is_text(compiler, info, tokenizer) -> None:
+    """A constraint may spell ``<|im_end|>`` as text: it is written with text tokens, never the special token."""
+    matcher = compiler.compile(ConstraintSpec("regex", r'\{"a":"<\|im_end\|>"\}')).new_matcher()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    written = []
+    while not matcher.is_terminated():
+        mask = allowed(matcher, info)
+        assert not mask[end]
+        forced = matcher.forced_tokens()
+        token = forced[0] if forced else int(mask.nonzero()[0])
+        assert matcher.accept_token(token)
+        written.append(token)
+    assert tokenizer.decode(written) == '{"a":"<|im_end|>"}'
+
+
 def test_large_choice_lists_compile(compiler, info) -> None:
     choices = [f"label {i:05d}" for i in range(20000)]
     matcher = compiler.compile(ConstraintSpec("choice", choices)).new_matcher()
@@ -265,6 +282,26 @@ def test_timeout_frees_the_caller_and_the_pool(info) -> None:
     finally:
         backend.release.set()
         compiler.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")
+def test_compiles_run_at_a_lower_priority(info) -> None:
+    """Compile threads yield the CPU to decoding: they run with the configured niceness added."""
+    seen: list[int] = []
+
+    class Probe:
+        name = "probe"
+
+        def compile(self, spec):
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return LLGuidanceBackend(info).compile(spec)
+
+    compiler = GrammarCompiler(info, backend=Probe(), nice=5)
+    try:
+        compiler.compile(ConstraintSpec("regex", "[a-z]+"))
+    finally:
+        compiler.close()
+    assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)]
 
 
 def test_apply_bitmask_on_a_batch(compiler, info) -> None:

@@ -1,0 +1,225 @@
+"""Constrained decoding under load: the mask's cost at 16 concurrent requests, and a burst of bad constraints.
+
+(A) Throughput. ``--num-requests`` chat requests (default 16) run at once, each asking for JSON under its own
+    schema. Every schema demands more items (``minItems``) than ``--max-tokens`` can hold, so every request,
+    constrained or not, writes exactly ``--max-tokens`` tokens (unconstrained ones ignore EOS): the modes differ
+    only in what a step costs. Modes, alternated over ``--rounds`` rounds in one process (median reported):
+      unconstrained          the same prompts without a constraint
+      constrained, no jump   grammar masks on every step, jump-forward off: the cost of the masks alone
+      constrained            the default: masks plus jump-forward over forced stretches (fewer forward passes)
+(B) Burst. The same constrained requests alone, then again while ``--burst`` bad requests arrive at once: invalid
+    regexes, invalid schemas, unsupported keywords, regexes over a grammar limit, and regexes that outlast the
+    compile timeout (``--grammar-compile-timeout``, shortened so the burst includes timeouts). Each bad
+    constraint is unique, so no cached error helps. Every bad request must fail with a clear error and every good
+    one must finish; the wall time of the good ones with and without the burst is compared.
+
+    python -m bench.constrained_load [--model NAME] [--num-requests 16] [--max-tokens 96] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench.common import format_table, machine_summary
+from constrained import ConstraintSpec
+from runtime.engine import Engine
+from runtime.request import FinishReason, ReqOutput
+from runtime.sampling_params import SamplingParams
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TOPICS = (
+    "books on a shelf", "cities to visit", "tasks for the week", "songs on an album", "planets and moons",
+    "ingredients of a cake", "employees of a shop", "parts of a bicycle", "birds in a garden", "films of 1999",
+    "rooms of a house", "players of a team", "tools in a workshop", "rivers of Europe", "courses at a school",
+    "files in a folder",
+)
+# Item shapes: strings with bounds, enums, integers and numbers with bounds, booleans, patterns, nested objects.
+FIELDS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("name", {"type": "string", "maxLength": 24}),
+    ("kind", {"enum": ["small", "medium", "large", "unknown"]}),
+    ("count", {"type": "integer", "minimum": 0, "maximum": 999}),
+    ("price", {"type": "number", "minimum": 0}),
+    ("done", {"type": "boolean"}),
+    ("code", {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}),
+    ("owner", {"type": "object", "properties": {"first": {"type": "string", "maxLength": 12},
+                                                 "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+               "required": ["first", "age"], "additionalProperties": False}),
+    ("tags", {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}),
+)
+
+
+def schema_for(i: int, max_tokens: int) -> dict[str, Any]:
+    """Request ``i``'s schema: an object holding a list of items whose fields rotate with ``i``."""
+    fields = [FIELDS[(i + k) % len(FIELDS)] for k in range(3 + i % 3)]
+    item = {
+        "type": "object",
+        "properties": dict(fields),
+        "required": [name for name, _ in fields],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 40}, "items": {"type": "array", "items": item,
+                                                                            "minItems": max_tokens}},
+        "required": ["title", "items"],
+        "additionalProperties": False,
+    }
+
+
+def bad_specs(n: int, seed: int) -> list[tuple[str, ConstraintSpec]]:
+    """``n`` unique bad constraints, cycling through five kinds of failure."""
+    out: list[tuple[str, ConstraintSpec]] = []
+    for i in range(n):
+        tag = f"{seed}x{i}"
+        kind = ("invalid regex", "invalid schema", "unsupported keyword", "over a limit", "compile timeout")[i % 5]
+        if kind == "invalid regex":
+            spec = ConstraintSpec("regex", f"[0-9{tag}")
+        elif kind == "invalid schema":
+            spec = ConstraintSpec("json_schema", {"type": "object", "properties": {tag: {"type": "strin"}}})
+        elif kind == "unsupported keyword":
+            spec = ConstraintSpec("json_schema", {"type": "array", "items": {"const": tag}, "uniqueItems": True})
+        elif kind == "over a limit":  # llguidance cannot build a regex for this integer range
+            spec = ConstraintSpec("json_schema", {"type": "integer", "minimum": -(2**63) + i, "maximum": 2**63 - 1})
+        else:  # valid, but ~1 s of lexer and tokenizer work (it forces 360 KB): longer than the shortened timeout
+            spec = ConstraintSpec("regex", f"{tag}(b{{{600 + i}}}){{600}}")
+        out.append((kind, spec))
+    return out
+
+
+def chat_ids(engine: Engine, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+class _Outcome:
+    """What one request produced, and when it finished (a sink for ``Engine.submit``)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.tokens = 0
+        self.meta: ReqOutput | None = None
+        self.finished_at = 0.0
+
+    def __call__(self, out: ReqOutput) -> None:
+        self.tokens += len(out.token_ids)
+        if out.finished:
+            self.meta, self.finished_at = out, time.perf_counter()
+            self.done.set()
+
+
+def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], bad: list[SamplingParams],
+             bad_prompt: list[int]) -> dict[str, Any]:
+    """Submit ``bad`` then the good requests at the same moment; time the good ones to their last finish."""
+    steps0 = engine.server_info()["cache_stats"]["forward_steps"]
+    start = time.perf_counter()
+    bad_runs = [_Outcome() for _ in bad]
+    for p, sink in zip(bad, bad_runs, strict=True):
+        engine.submit(bad_prompt, p, sink)
+    good_runs = [_Outcome() for _ in params]
+    for ids, p, sink in zip(prompts, params, good_runs, strict=True):
+        engine.submit(ids, p, sink)
+    for sink in good_runs + bad_runs:
+        sink.done.wait()
+    steps = engine.server_info()["cache_stats"]["forward_steps"] - steps0
+    for sink, p in zip(good_runs, params, strict=True):
+        meta = sink.meta
+        if meta is None or meta.finish_reason != FinishReason.LENGTH or sink.tokens != p.max_new_tokens:
+            raise RuntimeError(f"a good request did not run to --max-tokens: {meta}")
+    unclear = [s.meta for s in bad_runs if s.meta is None or "invalid constraint" not in (s.meta.error or "")]
+    if unclear:
+        raise RuntimeError(f"a bad request did not fail with a clear error: {unclear[0]}")
+    return {
+        "wall": max(s.finished_at for s in good_runs) - start,
+        "tokens": sum(s.tokens for s in good_runs),
+        "steps": steps,
+        "errors": [s.meta.error for s in bad_runs if s.meta is not None],
+        "error_after": [s.finished_at - start for s in bad_runs],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--burst", type=int, default=200, help="bad requests in the burst of (B)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=0.1,
+                   help="seconds, set after the warm-up; shortened so that the burst includes compile timeouts")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    engine = Engine(model=args.model, dtype=args.dtype, device="cpu")
+    n, m = args.num_requests, args.max_tokens
+    prompts = [chat_ids(engine, f"List {TOPICS[i % len(TOPICS)]} as JSON.") for i in range(n)]
+    specs = [ConstraintSpec("json_schema", schema_for(i, m)) for i in range(n)]
+    free = [SamplingParams(max_new_tokens=m, temperature=0.0, ignore_eos=True) for _ in range(n)]
+    constrained = [SamplingParams(max_new_tokens=m, temperature=0.0, constraint=s) for s in specs]
+    print(f"{time.strftime('%Y-%m-%d')} | {machine_summary()} | model {args.model} {args.dtype} | {n} requests x "
+          f"{m} output tokens, {args.rounds} rounds, burst of {args.burst}", flush=True)
+    run_good(engine, prompts, constrained, [], prompts[0])  # warm-up: compiles (then cached), first masks
+    engine.grammar.compiler.timeout_s = args.grammar_compile_timeout  # for the burst only: the good ones are cached
+
+    def mode(jump: bool) -> None:
+        engine.call(lambda core: setattr(core, "jump_forward", jump))
+
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("free", "masked", "jump", "alone", "burst")}
+    for r in range(args.rounds):
+        engine.flush_cache()
+        runs["free"].append(run_good(engine, prompts, free, [], prompts[0]))
+        mode(False)
+        engine.flush_cache()
+        runs["masked"].append(run_good(engine, prompts, constrained, [], prompts[0]))
+        mode(True)
+        engine.flush_cache()
+        runs["jump"].append(run_good(engine, prompts, constrained, [], prompts[0]))
+        engine.flush_cache()
+        runs["alone"].append(runs["jump"][-1])
+        bad = [SamplingParams(max_new_tokens=m, constraint=s) for _, s in bad_specs(args.burst, r)]
+        runs["burst"].append(run_good(engine, prompts, constrained, bad, prompts[0]))
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]['wall']:.1f} s" for k, v in runs.items()),
+              file=sys.stderr, flush=True)
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(x[field] for x in runs[key])
+
+    base = med("free", "wall")
+    rows = []
+    for key, label in (("free", "unconstrained"), ("masked", "constrained, no jump-forward"),
+                       ("jump", "constrained (default)")):
+        wall = med(key, "wall")
+        rows.append([label, wall, med(key, "tokens") / wall, int(med(key, "steps")), base / wall])
+    print("\n(A) throughput at", n, "concurrent requests (median of rounds)\n")
+    print(format_table(["mode", "wall s", "output tok/s", "forward passes", "throughput vs unconstrained"], rows))
+    kinds: dict[str, list[str]] = {}
+    for (kind, _), meta in zip(bad_specs(args.burst, 0), runs["burst"][0]["errors"], strict=True):
+        kinds.setdefault(kind, []).append(meta)
+    alone, burst = med("alone", "wall"), med("burst", "wall")
+    print(f"\n(B) burst of {args.burst} bad constraints, all failed with a clear error; one message per kind:")
+    for kind, messages in kinds.items():
+        print(f"  {len(messages)} x {kind}: {messages[0][:150]}")
+    print()
+    print(format_table(["good requests", "wall s", "output tok/s"],
+                       [["alone", alone, med("alone", "tokens") / alone],
+                        ["during the burst", burst, med("burst", "tokens") / burst]]))
+    print(f"\nslowdown of the good requests during the burst: {burst / alone - 1:+.1%}")
+    after = sorted(t for run in runs["burst"] for t in run["error_after"])
+    print(f"bad requests answered after: median {statistics.median(after):.2f} s, max {after[-1]:.2f} s (timeouts "
+          "queue behind the compiles they abandoned, which cannot be interrupted)")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
