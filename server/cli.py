@@ -1,5 +1,9 @@
 """``radixserve serve [engine flags] [server flags]``: the HTTP server in front of one in-process engine.
 
+Also ``radixserve router --worker-urls URL [URL ...]``: a data-parallel router in front of several servers, and
+``radixserve ray-serve --replicas N [engine flags]``: replicas and router as Ray Serve deployments (needs the
+``ray`` extra). See docs/scaling.md.
+
 Start-up order: the resolved config is logged, uvicorn starts listening (/health answers 503), the engine
 loads on a background thread (the loader logs progress and the KV cache size), then one line says
 ``radixserve ready: serving <model> at http://<host>:<port> (OpenAI API at /v1)``. If loading fails, the
@@ -36,7 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(serve.add_argument_group("engine"), EngineConfig)  # type: ignore[arg-type]
     add_arguments(serve.add_argument_group("server"), ServerConfig)  # type: ignore[arg-type]
+    _add_router_commands(commands)
     return parser
+
+
+def _add_router_commands(commands: argparse._SubParsersAction) -> None:
+    from server.router.config import RayServeConfig, RouterConfig, RoutingConfig, add_config_arguments
+
+    router = commands.add_parser(
+        "router",
+        help="Route requests over several radixserve servers (data parallelism, cache-aware).",
+        description="Every flag can also be set with an environment variable RADIXSERVE_<FLAG_NAME>.",
+    )
+    add_config_arguments(router.add_argument_group("router"), RouterConfig)
+    add_config_arguments(router.add_argument_group("routing"), RoutingConfig)
+    ray_serve = commands.add_parser(
+        "ray-serve",
+        help="Run N engine replicas and the cache-aware router as Ray Serve deployments (pip install radixserve[ray]).",
+        description="Every flag can also be set with an environment variable RADIXSERVE_<FLAG_NAME>.",
+    )
+    add_arguments(ray_serve.add_argument_group("engine"), EngineConfig)  # type: ignore[arg-type]
+    add_config_arguments(ray_serve.add_argument_group("ray serve"), RayServeConfig)
+    add_config_arguments(ray_serve.add_argument_group("routing"), RoutingConfig)
 
 
 def configure_logging(level: str) -> None:
@@ -91,6 +116,10 @@ async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicor
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "router":
+        return _router(parser, args)
+    if args.command == "ray-serve":
+        return _ray_serve(parser, args)
     try:
         engine_config = from_args(EngineConfig, args)
         server_config = from_args(ServerConfig, args)
@@ -98,6 +127,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging(server_config.log_level)
     return serve(engine_config, server_config)
+
+
+
+def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from server.router.config import RouterConfig, RoutingConfig
+    from server.router.process import run_router
+
+    try:
+        config, routing = from_args(RouterConfig, args), from_args(RoutingConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(config.log_level)
+    return run_router(config, routing)
+
+
+def _ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from server.router.config import RayServeConfig, RoutingConfig
+
+    try:
+        engine_config, routing = from_args(EngineConfig, args), from_args(RoutingConfig, args)
+        ray_config = from_args(RayServeConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(ray_config.log_level)
+    try:
+        from server.router.ray_serve import run_ray_serve
+    except ImportError as exc:
+        parser.error(f"ray-serve needs Ray Serve: pip install 'radixserve[ray]' ({exc})")
+    return run_ray_serve(engine_config, routing, ray_config)
 
 
 if __name__ == "__main__":

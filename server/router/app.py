@@ -1,0 +1,190 @@
+"""The router's FastAPI app: OpenAI and native routes proxied to replicas, plus its own /health and /router_info.
+
+``create_router_app(pool, transport, server_config, routing)`` works over any ``Transport``: ``radixserve router``
+passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve ingress one over deployment handles.
+
+Routes:
+  * POST /v1/chat/completions, /v1/completions, /generate: routed by the policy on the request's text, streamed
+    through when the replica streams (``server.router.proxy``);
+  * GET /v1/models: from the least loaded healthy replica;
+  * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
+  * GET /health: 200 while at least one replica is healthy, else 503 (no API key needed);
+  * GET /router_info: per replica health, load, tree size and counters, and the policy's routing statistics.
+A background task checks every replica's health every ``--health-check-interval`` seconds: a failed check takes
+a replica out of rotation (and clears its tree), a passed one brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.config import ServerConfig
+from server.deps import require_api_key
+from server.errors import install_error_handlers
+from server.limits import RequestLimits
+from server.router.config import RoutingConfig
+from server.router.proxy import ClientGone, Forwarder
+from server.router.replicas import ReplicaPool
+from server.router.transport import Transport
+
+logger = logging.getLogger("radixserve.router")
+
+CLIENT_CLOSED = 499
+FLUSH_TIMEOUT_S = 60.0
+
+
+class RouterState:
+    """What the routes share. Named and shaped like ``server.state.ServerState`` where the serving helpers
+    (``server.testing.ServerThread``, ``server.app.attach_server``, ``require_api_key``) look: ``config``,
+    ``listen_url``, ``exit_requested``."""
+
+    def __init__(self, pool: ReplicaPool, transport: Transport, config: ServerConfig, routing: RoutingConfig) -> None:
+        self.pool = pool
+        self.transport = transport
+        self.config = config
+        self.routing = routing
+        self.forwarder = Forwarder(pool, transport)
+        self.listen_url: Any = None
+        self.exit_requested: Any = None
+        self.health_checks = 0
+
+    async def check_replicas(self) -> None:
+        """One round of health checks (and load refreshes), all replicas concurrently."""
+        timeout = self.routing.health_check_timeout
+
+        async def check(rid: str) -> None:
+            try:
+                why = await asyncio.wait_for(self.transport.health(rid, timeout), timeout + 1.0)
+            except TimeoutError:
+                why = f"health check timed out after {timeout} s"
+            if why is None:
+                self.pool.mark_alive(rid)
+                if self.routing.load_from_server_info:
+                    load = await self.transport.engine_load(rid, timeout)
+                    if load is not None:
+                        self.pool.set_engine_load(rid, load)
+            else:
+                self.pool.mark_dead(rid, why)
+
+        await asyncio.gather(*(check(rid) for rid in self.pool.replicas))
+        self.health_checks += 1
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_replicas()
+            except Exception:  # noqa: BLE001 - the loop must survive anything a replica answers
+                logger.exception("health check round failed")
+            await asyncio.sleep(self.routing.health_check_interval)
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+async def _routed(request: Request, path: str) -> Response:
+    try:
+        return await _state(request).forwarder.generation(request, path)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+
+
+def _build_routes() -> tuple[APIRouter, APIRouter]:
+    api = APIRouter(dependencies=[Depends(require_api_key)], tags=["Router"])
+    open_routes = APIRouter(tags=["Router"])
+
+    @api.post("/v1/chat/completions", summary="Chat completion, proxied to the chosen replica")
+    async def chat(request: Request) -> Response:
+        return await _routed(request, "/v1/chat/completions")
+
+    @api.post("/v1/completions", summary="Text completion, proxied to the chosen replica")
+    async def completions(request: Request) -> Response:
+        return await _routed(request, "/v1/completions")
+
+    @api.post("/generate", summary="Native generation, proxied to the chosen replica")
+    async def generate(request: Request) -> Response:
+        return await _routed(request, "/generate")
+
+    @api.get("/v1/models", summary="The served models, from one healthy replica")
+    async def models(request: Request) -> Response:
+        try:
+            return await _state(request).forwarder.forward(request, "GET", "/v1/models", b"", None)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
+    @api.post("/flush_cache", summary="Flush every healthy replica's prefix cache")
+    async def flush_cache(request: Request) -> JSONResponse:
+        state = _state(request)
+        targets = list(state.pool.candidates())
+        answers = await asyncio.gather(
+            *(state.transport.call(rid, "POST", "/flush_cache", FLUSH_TIMEOUT_S) for rid in targets)
+        )
+        results = {rid: {"status": status, "body": body} for rid, (status, body) in zip(targets, answers)}
+        ok = bool(targets) and all(status == 200 for status, _ in answers)
+        if ok:
+            status = 200
+        elif any(s == 400 for s, _ in answers):
+            status = 400  # a replica had requests running: retry when idle, as with one server
+        else:
+            status = 502 if targets else 503
+        return JSONResponse({"success": ok, "replicas": results}, status_code=status)
+
+    @api.get("/router_info", summary="Replicas' health and load, and routing statistics")
+    async def router_info(request: Request) -> dict[str, Any]:
+        state = _state(request)
+        return {**state.pool.info(), "health_checks": state.health_checks}
+
+    @open_routes.get("/health", summary="200 while at least one replica is healthy")
+    async def health(request: Request) -> JSONResponse:
+        pool = _state(request).pool
+        healthy = sum(r.healthy for r in pool.replicas.values())
+        body = {"status": "ready" if healthy else "unavailable", "healthy_replicas": healthy}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    return api, open_routes
+
+
+def create_router_app(
+    pool: ReplicaPool, transport: Transport, server_config: ServerConfig, routing: RoutingConfig
+) -> FastAPI:
+    """The router app over ``pool`` (its policy included) and ``transport``. Its lifespan runs the health loop
+    (the first round before it serves) and closes the transport when it stops."""
+    state = RouterState(pool, transport, server_config, routing)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.check_replicas()
+        checker = asyncio.ensure_future(state.health_loop())
+        try:
+            yield
+        finally:
+            checker.cancel()
+            await asyncio.gather(checker, return_exceptions=True)
+            await transport.aclose()
+
+    app = FastAPI(
+        title="radixserve router",
+        summary="Data-parallel front for radixserve replicas, with cache-aware routing.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.router = state
+    app.state.server = state  # where require_api_key and the serving helpers look
+    install_error_handlers(app)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=server_config.max_body_bytes,
+        max_json_depth=server_config.max_json_depth,
+        read_timeout=server_config.request_read_timeout,
+    )
+    api, open_routes = _build_routes()
+    app.include_router(open_routes)
+    app.include_router(api)
+    return app
