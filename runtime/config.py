@@ -46,6 +46,10 @@ class EngineConfig:
     grammar_nice: int = _opt(
         10, "Niceness added to grammar-compile threads (Linux), so compiles use the CPU that decoding leaves."
     )
+    tp: int = _opt(1, "Tensor-parallel ranks: attention heads, MLP and vocabulary split over N processes/GPUs.")
+    nnodes: int = _opt(1, "Nodes the tensor-parallel ranks span (each runs --tp / --nnodes ranks).")
+    node_rank: int = _opt(0, "This node's index; node 0 serves, the others only run their ranks.")
+    dist_init_addr: str = _opt("", "host:port of node 0's process-group rendezvous (required with --nnodes > 1).")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -72,6 +76,21 @@ class EngineConfig:
             raise ValueError("--grammar-workers must be >= 1")
         if not 0 <= self.grammar_nice <= 19:
             raise ValueError("--grammar-nice must be between 0 (off) and 19")
+        if self.tp < 1 or self.nnodes < 1:
+            raise ValueError("--tp and --nnodes must be >= 1")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes} (equal ranks per node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (an address of node 0 every node reaches)")
+        if self.dist_init_addr and not _is_host_port(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _field_type(cls: type, f: dataclasses.Field) -> type:

@@ -24,6 +24,7 @@ import torch
 from constrained import CompiledGrammar, ConstraintSpec
 from runtime.attention import TorchReferenceBackend
 from runtime.config import EngineConfig
+from runtime.distributed import TensorParallelModel, finish_start, start_leader
 from runtime.engine_core import EngineCore
 from runtime.grammar import GrammarSupport
 from runtime.kv_pool import KVPool, available_memory_bytes
@@ -62,28 +63,35 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
         self.config = config
-        loaded = load_model(config)
+        if config.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; other nodes run `radixserve serve ... --node-rank R`")
+        tp_start = start_leader(config) if config.tp > 1 else None
+        loaded = tp_start[0] if tp_start is not None else load_model(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.device = loaded.device
         self.dtype = loaded.dtype
         args = loaded.args
         self.vocab_size = args.vocab_size
-        per_token = KVPool.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, loaded.dtype)
+        kv_heads = args.num_kv_heads // config.tp  # each rank holds its KV heads' shard of every slot
+        per_token = KVPool.bytes_per_token(args.num_layers, kv_heads, args.head_dim, loaded.dtype)
         num_slots = _pool_size(config, per_token, loaded.device)
-        pool = KVPool(num_slots, args.num_layers, args.num_kv_heads, args.head_dim, loaded.dtype, loaded.device)
+        pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
+        self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
         context = config.max_context_len or args.max_position_embeddings
         self.max_context_len = min(context, args.max_position_embeddings)
         logger.info(
-            "KV cache: %d tokens (%.1f MiB, %d KiB per token), context length %d, radix cache %s",
+            "KV cache: %d tokens (%.1f MiB, %d KiB per token%s), context length %d, radix cache %s",
             num_slots,
             pool.nbytes / 2**20,
             per_token // 1024,
+            f" on each of {config.tp} tensor-parallel ranks" if config.tp > 1 else "",
             self.max_context_len,
             "off" if config.disable_radix_cache else "on",
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
-        runner = ModelRunner(loaded.model, pool, TorchReferenceBackend(), sampler, loaded.device)
+        model = self._tp if self._tp is not None else loaded.model
+        runner = ModelRunner(model, pool, TorchReferenceBackend(), sampler, loaded.device)
         self.core = EngineCore(
             config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len
         )
@@ -258,6 +266,8 @@ class Engine:
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
         self.grammar.close()
+        if self._tp is not None:
+            self._tp.close()
 
     # --- engine thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:

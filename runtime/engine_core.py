@@ -14,6 +14,7 @@ from runtime import envs
 from runtime.batch import BatchPlan, ScheduledChunk, StepResult
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer, StopChecker
+from runtime.distributed.tensor_parallel import WorkerDiedError
 from runtime.grammar import GrammarViolation
 from runtime.kv_cache import KVCacheManager
 from runtime.model_runner import ModelRunner
@@ -127,6 +128,8 @@ class EngineCore:
             return outputs
         try:
             result = self.runner.run(plan)
+        except WorkerDiedError:
+            raise  # no step can run any more: the engine stops and /health says why
         except Exception as exc:  # noqa: BLE001 - a model fault fails this batch, not the engine
             logger.exception("model step failed; failing the %d requests of the batch", len(plan.chunks))
             return self._fail_batch(plan, f"model step failed: {type(exc).__name__}: {exc}")

@@ -7,6 +7,7 @@ never touches the slot allocator.
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 
@@ -14,7 +15,6 @@ from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSe
 from runtime.batch import BatchPlan, Failure, StepResult
 from runtime.grammar import grammar_failure, grammar_mask
 from runtime.kv_pool import KVPool
-from runtime.models.llama import LlamaForCausalLM
 from runtime.request import ErrorCode, TokenLogprob
 from runtime.sampler import Sampler, token_logprobs
 
@@ -22,10 +22,17 @@ from runtime.sampler import Sampler, token_logprobs
 MIN_SHARED_PREFIX = 64
 
 
+class CausalLM(Protocol):
+    """What the runner needs of a model: ``LlamaForCausalLM``, or the leader's handle on a sharded one."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         pool: KVPool,
         backend: AttentionBackend,
         sampler: Sampler,

@@ -126,9 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(server_config.log_level)
+    if engine_config.node_rank > 0:
+        from runtime.distributed import run_worker_node
+
+        return run_worker_node(engine_config)  # tensor-parallel ranks only; node 0 serves
     return serve(engine_config, server_config)
-
-
 
 def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from server.router.config import RouterConfig, RoutingConfig

@@ -79,6 +79,8 @@ def _post_in_background(url: str, path: str, body: dict[str, Any]) -> Future[htt
 
 def _assert_aborted_stream(events: list[Any]) -> None:
     assert events[-1] == "[DONE]", events[-3:]
+    errors = [e for e in events[:-1] if "choices" not in e]
+    assert not errors, errors
     finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
     assert finals[-1] == "abort" and all(f is None for f in finals[:-1])
 
