@@ -8,6 +8,9 @@ worker slot is handed to the next job at once; the abandoned compile finishes in
 dropped. Running plus abandoned compiles never exceed ``max_workers + max_abandoned`` threads; past that new jobs
 wait, so a flood of pathological schemas cannot spawn unbounded threads. A process pool would make compiles
 killable, but a compiled llguidance grammar cannot cross a process boundary, so the work would be done twice.
+Each compile runs on a thread of its own; one still running ``demote_after_s`` (50 ms) after it started gets
+``nice`` added to its niceness (Linux), so pathological and abandoned compiles use only the CPU that decoding
+leaves, while ordinary compiles (a few ms) stay at normal priority and fast under load.
 
 Invariants:
   * one compile per key at a time: concurrent submits of the same spec share it (each gets its own future);
@@ -20,13 +23,14 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +48,9 @@ class _Job:
     waiters: list[Future[CompiledGrammar]] = field(default_factory=list)
     deadline: float = 0.0
     timed_out: bool = False
+    demote_at: float = 0.0
+    tid: int | None = None  # the native id of the thread compiling it, once it runs
+    demoted: bool = False
 
 
 @dataclass
@@ -70,6 +77,7 @@ class GrammarCompiler:
         max_abandoned: int | None = None,
         error_ttl_s: float = 60.0,
         nice: int = 0,
+        demote_after_s: float = 0.05,
     ) -> None:
         if max_workers < 1 or cache_size < 1 or timeout_s <= 0:
             raise ValueError("max_workers and cache_size must be >= 1 and timeout_s > 0")
@@ -87,12 +95,8 @@ class GrammarCompiler:
         self._abandoned = 0
         self._closed = False
         self._cond = threading.Condition()
-        self._pool = ThreadPoolExecutor(
-            max_workers + self.max_abandoned,
-            thread_name_prefix="grammar-compile",
-            initializer=_lower_priority,
-            initargs=(nice,),
-        )
+        self.nice = nice
+        self.demote_after_s = demote_after_s
         self._scheduler = threading.Thread(target=self._schedule, name="grammar-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -153,7 +157,6 @@ class GrammarCompiler:
             self._queue.clear()
             self._cond.notify_all()
         _deliver([(queued, None, GrammarError("the grammar compiler was shut down", kind="internal"))])
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- internal
     def _lookup(self, key: str) -> CompiledGrammar | GrammarError | None:
@@ -189,10 +192,17 @@ class GrammarCompiler:
                         del self._inflight[job.key]
                         continue
                     job.deadline = now + self.timeout_s
+                    job.demote_at = now + self.demote_after_s
                     self._running.add(job)
-                    self._pool.submit(self._run, job)
+                    # A thread per compile: once reniced, a thread cannot get its priority back (unprivileged).
+                    threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=True).start()
+                for job in self._running:
+                    if not job.demoted and job.tid is not None and job.demote_at <= now:
+                        job.demoted = True
+                        _lower_priority(job.tid, self.nice)
                 if not deliveries:
-                    nearest = min((j.deadline for j in self._running), default=None)
+                    pending = [j.demote_at for j in self._running if not j.demoted]
+                    nearest = min([j.deadline for j in self._running] + pending, default=None)
                     self._cond.wait(None if nearest is None else max(0.0, nearest - now))
             _deliver(deliveries)
 
@@ -210,6 +220,7 @@ class GrammarCompiler:
         return job.waiters, None, error
 
     def _run(self, job: _Job) -> None:
+        job.tid = threading.get_native_id()
         start = time.monotonic()
         result: CompiledGrammar | None = None
         error: GrammarError | None = None
@@ -238,19 +249,18 @@ class GrammarCompiler:
         _deliver([(job.waiters, result, error)])
 
 
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by ``nice`` (Linux, where a thread id is a valid target).
+def _lower_priority(tid: int, nice: int) -> None:
+    """Raise thread ``tid``'s niceness by ``nice`` (Linux, where a thread id is a valid target).
 
-    Compiles then run on the CPU time that decoding leaves: a burst of expensive (or abandoned) compiles cannot
-    slow the requests being served, and a timed-out compile wastes less CPU before its deadline.
+    A compile that has run ``demote_after_s`` is likely pathological: from then on it runs on the CPU time that
+    decoding leaves, so a burst of expensive (or abandoned) compiles cannot slow the requests being served, while
+    ordinary compiles (a few ms) keep the normal priority and stay fast under load.
     """
     if nice <= 0 or not sys.platform.startswith("linux"):
         return
-    try:
-        tid = threading.get_native_id()
+    # The caller holds the compiler's lock and the job is still running, so ``tid`` is alive and still that thread.
+    with contextlib.suppress(OSError):  # a sandbox that forbids it: compiles keep the normal priority
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:  # not permitted in this sandbox: compiles keep the normal priority
-        pass
 
 
 def _deliver(deliveries: list[Delivery]) -> None:

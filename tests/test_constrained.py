@@ -285,23 +285,30 @@ def test_timeout_frees_the_caller_and_the_pool(info) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")
-def test_compiles_run_at_a_lower_priority(info) -> None:
-    """Compile threads yield the CPU to decoding: they run with the configured niceness added."""
-    seen: list[int] = []
+def test_long_compiles_are_demoted(info) -> None:
+    """A compile starts at normal priority; one still running after ``demote_after_s`` yields the CPU to decoding
+    (its niceness is raised by ``nice``)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, list[int]] = {}
 
     class Probe:
         name = "probe"
 
         def compile(self, spec):
-            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            tid = threading.get_native_id()
+            seen[spec.value] = [os.getpriority(os.PRIO_PROCESS, tid)]
+            if spec.value == "slow":
+                time.sleep(0.5)
+            seen[spec.value].append(os.getpriority(os.PRIO_PROCESS, tid))
             return LLGuidanceBackend(info).compile(spec)
 
-    compiler = GrammarCompiler(info, backend=Probe(), nice=5)
+    compiler = GrammarCompiler(info, backend=Probe(), nice=5, demote_after_s=0.1)
     try:
-        compiler.compile(ConstraintSpec("regex", "[a-z]+"))
+        compiler.compile(ConstraintSpec("regex", "fast"))
+        compiler.compile(ConstraintSpec("regex", "slow"))
     finally:
         compiler.close()
-    assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)]
+    assert seen == {"fast": [base, base], "slow": [base, min(19, base + 5)]}
 
 
 def test_apply_bitmask_on_a_batch(compiler, info) -> None:
