@@ -44,3 +44,15 @@ def check_integrity() -> bool:
     Slow; meant for tests and for debugging a suspected leak in production.
     """
     return get_bool("CHECK_INTEGRITY")
+
+
+def onednn_linear() -> bool:
+    """``RADIXSERVE_ONEDNN_LINEAR=0`` runs float32 CPU linear layers through ``F.linear`` (MKL) instead of oneDNN
+    with prepacked weights (see ``runtime.models.linear``); the packed copies double the linear weights' memory."""
+    return get_bool("ONEDNN_LINEAR", True)
+
+
+def tune_threads() -> bool:
+    """``RADIXSERVE_TUNE_THREADS=0`` runs every step on ``torch.get_num_threads()`` threads, instead of timing one
+    thread against them for small (decode) steps (see ``runtime.threads``)."""
+    return get_bool("TUNE_THREADS", True)

@@ -16,7 +16,12 @@ logger = logging.getLogger("radixserve.kv")
 
 
 class KVPool:
-    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, head_dim]``."""
+    """The keys and values of every slot in every layer.
+
+    ``kv[layer]`` is ``[2, num_kv_heads, num_slots, head_dim]``: keys then values, head-major, so that gathering a
+    list of slots gives attention's ``[heads, tokens, head_dim]`` layout with no transpose, and one gather fetches
+    both keys and values. ``k[layer]`` / ``v[layer]`` are ``[num_slots, num_kv_heads, head_dim]`` views of it.
+    """
 
     def __init__(
         self,
@@ -30,17 +35,19 @@ class KVPool:
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (num_layers, 2, num_kv_heads, num_slots, head_dim)
         # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
         # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
-        self._k = torch.empty(shape, dtype=dtype, device=device)
-        self._v = torch.empty(shape, dtype=dtype, device=device)
-        self.k = list(self._k.unbind(0))
-        self.v = list(self._v.unbind(0))
+        self._kv = torch.empty(shape, dtype=dtype, device=device)
+        self.kv = list(self._kv.unbind(0))
+        self.k = [kv[0].transpose(0, 1) for kv in self.kv]
+        self.v = [kv[1].transpose(0, 1) for kv in self.kv]
 
     @property
     def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
+        return self._kv.nbytes
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

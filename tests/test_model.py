@@ -99,3 +99,84 @@ def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype) -> None
         outs.append(backend.forward(0, q, empty, empty, meta, pool))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_batched_decode_attention_equals_per_row_softmax(dtype: torch.dtype) -> None:
+    """The decode path (one gather of keys, embedding_bag over values, padding masked) equals plain attention of
+    each row over its own slots, with grouped-query heads; new K/V land in their slots first."""
+    torch.manual_seed(0)
+    n_kv, heads, d, n_slots = 2, 6, 16, 300
+    pool = KVPool(n_slots, 2, n_kv, d, dtype, torch.device("cpu"))
+    pool.k[1].copy_(torch.randn(n_slots, n_kv, d))
+    pool.v[1].copy_(torch.randn(n_slots, n_kv, d))
+    perm = torch.randperm(n_slots).tolist()
+    tables = [perm[:40], perm[40:41], perm[41:141], perm[141:158]]  # ragged rows: padding to 100
+    q = torch.randn(len(tables), heads, d, dtype=dtype)
+    k_new = torch.randn(len(tables), n_kv, d, dtype=dtype)
+    v_new = torch.randn(len(tables), n_kv, d, dtype=dtype)
+    out_slots = [t[-1] for t in tables]
+    got = _ctx(pool, out_slots, [], decode=tables).attend(1, q, k_new, v_new)
+    assert torch.equal(pool.k[1][torch.tensor(out_slots)], k_new)
+    for i, table in enumerate(tables):
+        keys = pool.k[1][torch.tensor(table)].float().repeat_interleave(heads // n_kv, dim=1)  # [L, H, D]
+        values = pool.v[1][torch.tensor(table)].float().repeat_interleave(heads // n_kv, dim=1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[i].float(), keys) * d**-0.5, dim=-1)
+        want = torch.einsum("hl,lhd->hd", probs, values)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got[i].float(), want, atol=tol, rtol=tol)
+
+
+def test_merged_projections_load_hf_tensors_into_their_rows(tiny_model_dir: Path) -> None:
+    model = _load(tiny_model_dir)
+    weights = dict(iter_weights(tiny_model_dir, progress=False))
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    parts = [
+        ("self_attn", attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+        ("mlp", mlp.gate_up_proj, ("gate_proj", "up_proj")),
+    ]
+    for owner, merged, names in parts:
+        for name in names:
+            want = weights[f"model.layers.1.{owner}.{name}.weight"]
+            assert torch.equal(merged.weight[merged.part_rows(name)], want)
+    args = model.args
+    incomplete = {k: v for k, v in weights.items() if k != "model.layers.0.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        LlamaForCausalLM(args).load_weights(incomplete.items())
+    with pytest.raises(ValueError, match="checkpoint shape"):
+        bad = dict(weights, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
+        LlamaForCausalLM(args).load_weights(bad.items())
+
+
+def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
+    from runtime.models.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=True)
+
+    def check(x: torch.Tensor) -> None:
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+    for rows in (1, 8, 100):
+        check(torch.randn(rows, 64))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place, as loading does
+    check(torch.randn(8, 64))
+    layer.weight = torch.nn.Parameter(torch.randn(48, 64))  # replaced, as tensor-parallel sharding does
+    check(torch.randn(8, 64))
+
+
+def test_fused_rms_norm_gives_the_reference_bits() -> None:
+    """RMSNorm's float32 fast path (F.rms_norm) is bit-identical to the HF formula it replaces."""
+    from runtime.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    for rows, scale in ((1, 1.0), (8, 30.0), (300, 0.01)):
+        x = torch.randn(rows, 576) * scale
+        want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+        assert torch.equal(norm(x), want)

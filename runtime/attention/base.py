@@ -6,7 +6,8 @@ The model code calls ``ForwardContext.attend`` once per layer and knows nothing 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,6 +61,11 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Stores this step's K/V into the pool and computes attention for every token of the batch."""
 
+    def prepare(self, meta: AttentionMetadata, pool: KVPool) -> Any:
+        """Per-step work shared by every layer (gather indices, masks), done once per forward pass; its result
+        is handed to each ``forward`` call of that pass as ``state``."""
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -69,6 +75,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [T, Hkv, D]
         meta: AttentionMetadata,
         pool: KVPool,
+        state: Any = None,  # what ``prepare`` returned for this meta and pool; computed on the spot when None
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -80,6 +87,10 @@ class ForwardContext:
     meta: AttentionMetadata
     pool: KVPool
     backend: AttentionBackend
+    _state: Any = field(default=None, init=False, repr=False)
+    _prepared: bool = field(default=False, init=False, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(layer, q, k, v, self.meta, self.pool)
+        if not self._prepared:
+            self._state, self._prepared = self.backend.prepare(self.meta, self.pool), True
+        return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._state)

@@ -4,9 +4,16 @@ Decode tokens are attended together over one padded gather of their KV slots; wh
 share a cached prefix, that prefix is attended once against a single copy of its K/V and merged with each row's
 own suffix by log-sum-exp (cascade attention), so a 1,000-token system prompt shared by 64 requests is read once
 per layer rather than 64 times. Prefill chunks go one sequence at a time (few per step and long).
+
+Decode is the hot loop of serving, so its per-step work (gather indices, the padding mask) is done once per
+forward pass in ``prepare``. Per layer, one ``index_select`` gathers the rows' keys into a reused workspace,
+already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` reads in place, and
+``embedding_bag`` sums the values weighted by the probabilities straight from the pool.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,8 +21,69 @@ import torch.nn.functional as F
 from runtime.attention.base import AttentionBackend, AttentionMetadata, PrefixGroup
 from runtime.kv_pool import KVPool
 
+# Gather workspaces up to this size are kept between layers and steps (a fresh multi-MB tensor per layer costs
+# page faults on every use); larger ones, rare, are allocated per call.
+MAX_WORKSPACE_BYTES = 512 * 2**20
+# Spare room when the workspace grows: decode rows get one token longer every step.
+WORKSPACE_GROWTH = 1.25
+
+
+@dataclass
+class _DecodeLayout:
+    key_index: torch.Tensor  # [B * Hkv * L] rows of kv[0].view(-1, D): each row's keys, head by head, padded
+    bias: torch.Tensor  # [B * Hkv, 1, L] float32: 0 where a real token sits, -inf on padding
+    width: int  # L, the padded row length
+    prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``_kv_rows`` of its prefix slots
+    # Value rows per (row, head, query head) for ``embedding_bag``; made by the first layer (it needs G).
+    value_index: torch.Tensor | None = None
+    bag_offsets: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _StepState:
+    decode: _DecodeLayout | None
+    extend_index: tuple[torch.Tensor | None, ...]  # per extend with a cached prefix, ``_kv_rows`` of its slots
+
+
+def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
+    """Rows of ``pool.kv[layer].view(-1, head_dim)`` holding the keys, then the values, of ``slots``, head by head:
+    gathered, they read as ``[2, Hkv, len(slots), D]``."""
+    starts = torch.arange(2 * pool.num_kv_heads, device=slots.device) * pool.num_slots
+    return (starts[:, None] + slots.reshape(1, -1)).reshape(-1)
+
 
 class TorchReferenceBackend(AttentionBackend):
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def prepare(self, meta: AttentionMetadata, pool: KVPool) -> _StepState:
+        decode = None
+        if meta.num_decode:
+            assert meta.decode_slots is not None and meta.decode_mask is not None
+            b, width = meta.decode_slots.shape
+            pad = ~meta.decode_mask.reshape(b, width)
+            bias = torch.zeros(b, width, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
+            n_kv = pool.num_kv_heads
+            bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
+            heads = torch.arange(n_kv, device=pad.device) * pool.num_slots
+            keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
+            prefixes = tuple(_kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
+            decode = _DecodeLayout(keys, bias, width, prefixes)
+        extends = tuple(None if s.kv_slots is None else _kv_rows(s.kv_slots, pool) for s in meta.extends)
+        return _StepState(decode, extends)
+
+    def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``kv.view(-1, D)[index]``, into the reused workspace when it is small enough."""
+        flat = kv.view(-1, kv.shape[-1])
+        n, d = index.numel(), flat.shape[1]
+        if n * d * flat.element_size() > MAX_WORKSPACE_BYTES:
+            return flat.index_select(0, index)
+        ws = self._workspace
+        if ws is None or ws.shape[0] < n or ws.dtype != flat.dtype or ws.device != flat.device or ws.shape[1] != d:
+            cap = min(int(n * WORKSPACE_GROWTH), MAX_WORKSPACE_BYTES // (d * flat.element_size()))
+            ws = self._workspace = torch.empty(max(n, cap), d, dtype=flat.dtype, device=flat.device)
+        return torch.index_select(flat, 0, index, out=ws[:n])
+
     def forward(
         self,
         layer: int,
@@ -24,83 +92,122 @@ class TorchReferenceBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         pool: KVPool,
+        state: _StepState | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = pool.k[layer], pool.v[layer]
-        k_cache[meta.out_slots] = k
-        v_cache[meta.out_slots] = v
-        out = torch.empty_like(q)
+        if state is None:
+            state = self.prepare(meta, pool)
+        kv = pool.kv[layer]  # [2, Hkv, N, D]
+        if meta.out_slots.numel():
+            kv[0].index_copy_(1, meta.out_slots, k.transpose(0, 1))
+            kv[1].index_copy_(1, meta.out_slots, v.transpose(0, 1))
         nd = meta.num_decode
-        if nd:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
-            out[:nd] = _decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_slots, meta.decode_mask, meta.prefix_groups
-            )
-        for seq in meta.extends:
+        decoded = None
+        if state.decode is not None:
+            decoded = self._decode(q[:nd], kv, state.decode, meta.prefix_groups)
+            if not meta.extends:
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
+        n_kv, d = kv.shape[1], kv.shape[3]
+        for seq, index in zip(meta.extends, state.extend_index, strict=True):
             s, e = seq.q_start, seq.q_start + seq.q_len
             qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            if seq.kv_slots is None:
+            if index is None:
                 ks = k[s:e].transpose(0, 1).unsqueeze(0)
                 vs = v[s:e].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = k_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
-                vs = v_cache.index_select(0, seq.kv_slots).transpose(0, 1).unsqueeze(0)
+                rows = self._gather(kv, index).view(2, 1, n_kv, seq.kv_len, d)
                 # Query i sits at absolute position kv_len - q_len + i and sees keys up to there.
                 mask = torch.ones(seq.q_len, seq.kv_len, dtype=torch.bool, device=q.device).tril(
                     seq.kv_len - seq.q_len
                 )
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, rows[0], rows[1], attn_mask=mask, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
 
+    def _decode(
+        self, q: torch.Tensor, kv: torch.Tensor, layout: _DecodeLayout, groups: tuple[PrefixGroup, ...]
+    ) -> torch.Tensor:
+        """One query per sequence ([B, H, D]). The G query heads that share a KV head become G query rows against
+        that head, so grouped-query attention needs no repeated K/V, and the batch of ``bmm`` is (row, kv head)."""
+        b, h, d = q.shape
+        n_kv = kv.shape[1]
+        g = h // n_kv
+        keys = self._gather(kv[0], layout.key_index).view(b * n_kv, layout.width, d)
+        qh = q.reshape(b * n_kv, g, d)
+        scale = d**-0.5
+        if q.dtype == torch.float32:
+            # scale * q.k + mask in one op; the scale (a power of two for usual head sizes) and the 0/-inf mask
+            # give the same values as scaling and masking after the matmul.
+            scores = torch.baddbmm(layout.bias, qh, keys.transpose(1, 2), alpha=scale)
+        else:
+            scores = torch.bmm(qh, keys.transpose(1, 2)).float() * scale + layout.bias
+        if groups:
+            out = self._cascade(scores, qh, kv, layout, groups)
+        else:
+            out = self._weighted_values(torch.softmax(scores, dim=-1), kv, layout)
+        return out.view(b, h, d)
 
-def _decode_attention(
-    q: torch.Tensor,  # [B, H, D]
-    k_cache: torch.Tensor,  # [N, Hkv, D]
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,  # [B, L]
-    mask: torch.Tensor,  # [B, 1, 1, L]
-    groups: tuple[PrefixGroup, ...],
-) -> torch.Tensor:
-    """One query per sequence. The G query heads that share a KV head become G query rows against that head, so
-    grouped-query attention needs no repeated K/V; one flat ``index_select`` gathers every row's own keys."""
-    b, h, d = q.shape
-    n_kv = k_cache.shape[1]
-    length = slots.shape[1]
-    flat = slots.reshape(-1)
-    k = k_cache.index_select(0, flat).view(b, length, n_kv, d).permute(0, 2, 3, 1)  # [B, Hkv, D, L]
-    v = v_cache.index_select(0, flat).view(b, length, n_kv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    qg = q.view(b, n_kv, h // n_kv, d)
-    scores = torch.matmul(qg, k).float() * (d**-0.5)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if not groups:
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, v).view(b, h, d)
-    # Unnormalized partial results, merged across the suffix and each shared prefix.
-    m = scores.amax(dim=-1, keepdim=True)  # [B, Hkv, G, 1]
-    e = torch.exp(scores - m)
-    den = e.sum(dim=-1, keepdim=True)
-    num = torch.matmul(e.to(q.dtype), v).float()  # [B, Hkv, G, D]
-    group = h // n_kv
-    for g in groups:
-        nb = g.rows.shape[0]
-        kp = k_cache.index_select(0, g.prefix_slots).permute(1, 2, 0)  # [Hkv, D, P]
-        vp = v_cache.index_select(0, g.prefix_slots).transpose(0, 1)  # [Hkv, P, D]
-        qh = qg.index_select(0, g.rows).transpose(0, 1).reshape(n_kv, nb * group, d)  # [Hkv, b*G, D]
-        sp = torch.bmm(qh, kp).float() * (d**-0.5)  # [Hkv, b*G, P]
-        mp = sp.amax(dim=-1, keepdim=True)
-        ep = torch.exp(sp - mp)
-        denp = ep.sum(dim=-1, keepdim=True)
-        nump = torch.bmm(ep.to(q.dtype), vp).float()  # [Hkv, b*G, D]
+    def _weighted_values(self, weights: torch.Tensor, kv: torch.Tensor, layout: _DecodeLayout) -> torch.Tensor:
+        """``weights`` [B * Hkv, G, L] (float32) times each row's values: ``[B * Hkv, G, D]`` in the pool's dtype.
 
-        def rows_first(x: torch.Tensor, nb: int = nb) -> torch.Tensor:
-            return x.view(n_kv, nb, group, x.shape[-1]).transpose(0, 1)  # [b, Hkv, G, X]
+        In float32 the values are never gathered: ``embedding_bag`` sums each bag of value rows, weighted, straight
+        from the pool, which saves writing and re-reading a copy (a third less memory traffic for decode)."""
+        n_kv, n_slots, d = kv.shape[1], kv.shape[2], kv.shape[3]
+        rows, g, width = weights.shape
+        values = kv[1].view(n_kv * n_slots, d)
+        if kv.dtype != torch.float32:
+            picked = values.index_select(0, layout.key_index).view(rows, width, d)
+            return torch.bmm(weights.to(kv.dtype), picked)
+        if layout.value_index is None:
+            # Bag (row, kv head, query head) = that row's value rows of that head; the G query heads repeat them.
+            index = layout.key_index.view(rows, 1, width).expand(rows, g, width).reshape(-1)
+            layout.value_index = index
+            layout.bag_offsets = torch.arange(0, index.numel(), width, device=index.device)
+        out = F.embedding_bag(
+            layout.value_index, values, layout.bag_offsets, mode="sum", per_sample_weights=weights.reshape(-1)
+        )
+        return out.view(rows, g, d)
 
-        mp, denp, nump = rows_first(mp), rows_first(denp), rows_first(nump)
-        mr = m.index_select(0, g.rows)
-        new_m = torch.maximum(mr, mp)
-        a, c = torch.exp(mr - new_m), torch.exp(mp - new_m)
-        num.index_copy_(0, g.rows, num.index_select(0, g.rows) * a + nump * c)
-        den.index_copy_(0, g.rows, den.index_select(0, g.rows) * a + denp * c)
-        m.index_copy_(0, g.rows, new_m)
-    return (num / den).to(q.dtype).view(b, h, d)
+    def _cascade(
+        self,
+        scores: torch.Tensor,  # [B * Hkv, G, L] float32, each row's own (suffix) keys
+        qh: torch.Tensor,  # [B * Hkv, G, D]
+        kv: torch.Tensor,
+        layout: _DecodeLayout,
+        groups: tuple[PrefixGroup, ...],
+    ) -> torch.Tensor:
+        """Unnormalized partial results over each row's suffix, merged with each group's shared prefix by
+        log-sum-exp; returns ``[B * Hkv, G, D]``."""
+        n_kv, d = kv.shape[1], kv.shape[3]
+        b, g = qh.shape[0] // n_kv, qh.shape[1]
+        dtype = qh.dtype
+        m = scores.amax(dim=-1, keepdim=True)
+        e = torch.exp(scores - m)
+        den = e.sum(dim=-1, keepdim=True).view(b, n_kv, g, 1)
+        num = self._weighted_values(e, kv, layout).float().view(b, n_kv, g, d)
+        m = m.view(b, n_kv, g, 1)
+        q4 = qh.view(b, n_kv, g, d)
+        for group, index in zip(groups, layout.prefix_index, strict=True):
+            nb = group.rows.shape[0]
+            prefix = self._gather(kv, index).view(2, n_kv, group.prefix_slots.shape[0], d)
+            qg = q4.index_select(0, group.rows).transpose(0, 1).reshape(n_kv, nb * g, d)
+            sp = torch.bmm(qg, prefix[0].transpose(1, 2)).float() * (d**-0.5)  # [Hkv, b*G, P]
+            mp = sp.amax(dim=-1, keepdim=True)
+            ep = torch.exp(sp - mp)
+            denp = ep.sum(dim=-1, keepdim=True)
+            nump = torch.bmm(ep.to(dtype), prefix[1]).float()  # [Hkv, b*G, D]
+
+            def rows_first(x: torch.Tensor, nb: int = nb) -> torch.Tensor:
+                return x.view(n_kv, nb, g, x.shape[-1]).transpose(0, 1)  # [b, Hkv, G, X]
+
+            mp, denp, nump = rows_first(mp), rows_first(denp), rows_first(nump)
+            mr = m.index_select(0, group.rows)
+            new_m = torch.maximum(mr, mp)
+            a, c = torch.exp(mr - new_m), torch.exp(mp - new_m)
+            num.index_copy_(0, group.rows, num.index_select(0, group.rows) * a + nump * c)
+            den.index_copy_(0, group.rows, den.index_select(0, group.rows) * a + denp * c)
+            m.index_copy_(0, group.rows, new_m)
+        return (num / den).to(dtype).view(b * n_kv, g, d)

@@ -1,7 +1,8 @@
 """Megatron-style tensor parallelism applied to a loaded model, gpt-fast style: the model code stays plain.
 
 ``shard_model`` cuts a full ``LlamaForCausalLM`` down to one rank's shard in place:
-  * q/k/v and gate/up projections are column-parallel (each rank keeps its heads / its slice of the MLP width);
+  * the merged q/k/v and gate/up projections are column-parallel (each rank keeps its heads / its slice of the MLP
+    width, cut from each projection separately);
   * o and down projections are row-parallel, followed by one all-reduce each (a forward hook), so every rank ends
     each layer with the full hidden state;
   * the embedding and the vocabulary projection are split by vocabulary rows (padded to equal shards): the
@@ -22,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.llama import LlamaForCausalLM, ModelArgs
+from runtime.models.linear import Linear, prepack
+from runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:
@@ -72,10 +74,18 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world, dim=0)[rank].clone()
 
 
-def _colwise(linear: nn.Linear, rank: int, world: int) -> None:
-    linear.weight = nn.Parameter(_rows(linear.weight.data, rank, world), requires_grad=False)
+def _colwise(linear: MergedLinear, rank: int, world: int) -> None:
+    """Column-parallel for a merged projection: this rank's rows of each part (its q, k and v heads; its slice of
+    gate and of up), concatenated in the parts' order."""
+    pieces = [linear.part_rows(name) for name in linear.parts]
+    linear.weight = nn.Parameter(
+        torch.cat([_rows(linear.weight.data[rows], rank, world) for rows in pieces]), requires_grad=False
+    )
     if linear.bias is not None:
-        linear.bias = nn.Parameter(_rows(linear.bias.data, rank, world), requires_grad=False)
+        linear.bias = nn.Parameter(
+            torch.cat([_rows(linear.bias.data[rows], rank, world) for rows in pieces]), requires_grad=False
+        )
+    linear.parts = {name: size // world for name, size in linear.parts.items()}
     linear.out_features //= world
 
 
@@ -107,20 +117,19 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any) -> N
         return
     for layer in model.model.layers:
         attn = layer.self_attn
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _colwise(proj, rank, world)
+        _colwise(attn.qkv_proj, rank, world)
         _rowwise(attn.o_proj, rank, world, group)
         attn.num_heads //= world
         attn.num_kv_heads //= world
         mlp = layer.mlp
-        _colwise(mlp.gate_proj, rank, world)
-        _colwise(mlp.up_proj, rank, world)
+        _colwise(mlp.gate_up_proj, rank, world)
         _rowwise(mlp.down_proj, rank, world, group)
     embed_rows, start = _vocab_rows(model.model.embed_tokens.weight.data, rank, world)
     model.model.embed_tokens = VocabParallelEmbedding(embed_rows, start, group)
-    head = nn.Linear(args.hidden_size, embed_rows.shape[0], bias=False, device=embed_rows.device)
+    head = Linear(args.hidden_size, embed_rows.shape[0], bias=False, device=embed_rows.device)
     if args.tie_word_embeddings:
         head.weight = model.model.embed_tokens.weight
     else:
         head.weight = nn.Parameter(_vocab_rows(model.lm_head.weight.data, rank, world)[0], requires_grad=False)
     model.lm_head = head
+    prepack(model)  # the shards replaced the weights: repack them (and drop the full model's packed copies)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.base import ForwardContext
-from runtime.models.rope import RotaryEmbedding
+from runtime.models.linear import Linear
+from runtime.models.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel instead of five ops; in float32 it gives the same bits as the formula below.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in float32 as the reference implementation does; matters for bf16 parity.
         dtype = x.dtype
         xf = x.float()
@@ -90,49 +94,72 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class MergedLinear(Linear):
+    """Several projections of the same input in one matmul (q/k/v, gate/up): fewer, larger matmuls per layer,
+    which is most of a small decode batch's time. ``parts`` maps each projection's HF name to its output size,
+    in output order, so checkpoints with one tensor per projection load into row slices (``part_rows``) and
+    tensor parallelism can cut each projection separately."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def part_rows(self, name: str) -> slice:
+        start = 0
+        for part, size in self.parts.items():
+            if part == name:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(name)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The output ``y`` cut into the parts' outputs (views)."""
+        return y.split(list(self.parts.values()), dim=-1)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
-        self.rope = rope
+        parts = {"q_proj": args.num_heads * d, "k_proj": args.num_kv_heads * d, "v_proj": args.num_kv_heads * d}
+        self.qkv_proj = MergedLinear(h, parts, bias=args.qkv_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        o = ctx.attend(self.layer, q, k, v)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: RoPE rotates both in one go.
+        qk = apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), *rope)
+        v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
+        o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v)
+        return self.o_proj(o.reshape(t, h * d))
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        parts = {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
+        self.gate_up_proj = MergedLinear(args.hidden_size, parts, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer, rope)
+        self.self_attn = Attention(args, layer)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,11 +167,18 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
         )
-        self.layers = nn.ModuleList(DecoderLayer(args, i, rope) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+# HF projection name -> the merged module that holds it.
+MERGED = {
+    **dict.fromkeys(("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    **dict.fromkeys(("gate_proj", "up_proj"), "gate_up_proj"),
+}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,39 +189,60 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, dtype)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rope(positions)  # looked up once for all layers
         for layer in self.model.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, rope, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters; raises ``ValueError`` naming any missing or unknown one."""
+        """Copy HF-named tensors into the parameters (q/k/v and gate/up into their rows of the merged ones);
+        raises ``ValueError`` naming any missing or unknown tensor."""
         params = dict(self.named_parameters())
+        merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
         seen: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
-            if name not in params:
+            target, rows = _merged_target(name, merged)
+            if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.args.architecture}")
-            param = params[name]
+            param = params[target] if rows is None else params[target][rows]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(tensor)
             seen.add(name)
-        expected = set(params)
+        expected: set[str] = set()
+        for name in params:
+            owner, _, leaf = name.rpartition(".")
+            module = merged.get(owner)
+            if module is None:
+                expected.add(name)
+            else:
+                expected.update(f"{owner.rpartition('.')[0]}.{part}.{leaf}" for part in module.parts)
         if self.args.tie_word_embeddings:
             expected.discard("lm_head.weight")
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _merged_target(name: str, merged: dict[str, MergedLinear]) -> tuple[str, slice | None]:
+    """``model.layers.0.self_attn.k_proj.weight`` -> (``model.layers.0.self_attn.qkv_proj.weight``, k's rows)."""
+    prefix, _, leaf = name.rpartition(".")
+    owner, _, proj = prefix.rpartition(".")
+    fused = f"{owner}.{MERGED.get(proj, '')}"
+    if proj not in MERGED or fused not in merged:
+        return name, None
+    return f"{fused}.{leaf}", merged[fused].part_rows(proj)

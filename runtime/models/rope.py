@@ -26,8 +26,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables for positions ``[0, max_positions)``; ``forward`` rotates q and k in place of
-    a copy. Tables are float32 and cast to the activations' dtype once."""
+    """Precomputed cos/sin tables for positions ``[0, max_positions)``. Tables are float32 and cast to the
+    activations' dtype once. ``forward`` looks up the rows of a batch's positions once per forward pass;
+    ``apply_rope`` rotates with them in every layer."""
 
     def __init__(
         self,
@@ -49,20 +50,19 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
+        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin, bit for bit
+        # (negating is exact), which saves the negation of x in every layer.
+        signed_sin = emb.sin()
+        signed_sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed_sin)`` rows of ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE, ``x * cos + rotate_half(x) * sin``, on ``x`` [T, heads, D]; returns a new tensor."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin

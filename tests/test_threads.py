@@ -1,0 +1,56 @@
+"""StepThreads: small steps run on whichever of 1 and the configured thread count is faster, as timed."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.threads import MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
+
+
+def drive(tuner: StepThreads, cost: dict[int, float], steps: int, tokens: int = 8) -> list[int]:
+    """Run ``steps`` fake steps where a step on ``t`` threads takes ``cost[t]`` seconds; the thread counts used."""
+    used = []
+    for _ in range(steps):
+        threads, probe = tuner.choose(tokens, 2)
+        tuner.record(tokens, threads, probe, cost[threads])
+        used.append(threads)
+    return used
+
+
+def test_tries_both_then_runs_the_faster_and_probes_the_other() -> None:
+    tuner = StepThreads()
+    used = drive(tuner, {2: 0.030, 1: 0.050}, 2 + 4 * PROBE_EVERY)
+    assert used[:2] == [2, 1]
+    assert used[2:].count(1) == 4  # one probe per PROBE_EVERY steps
+    assert all(t == 2 for i, t in enumerate(used[2:], 1) if i % PROBE_EVERY)
+
+
+def test_follows_a_change_of_load_both_ways() -> None:
+    tuner = StepThreads()
+    drive(tuner, {2: 0.030, 1: 0.050}, 50)
+    loaded = drive(tuner, {2: 0.150, 1: 0.060}, 50)  # other jobs took the second core: two threads stall
+    assert loaded[-20:].count(1) >= 19
+    quiet = drive(tuner, {2: 0.030, 1: 0.050}, 20 * PROBE_EVERY)
+    assert quiet[-PROBE_EVERY:].count(2) >= PROBE_EVERY - 1
+
+
+def test_a_setting_that_loses_by_far_is_probed_less_and_less() -> None:
+    tuner = StepThreads()
+    used = drive(tuner, {2: 1.0, 1: 0.050}, 5000)
+    assert used.count(2) < 5000 // PROBE_EVERY // 4
+    assert tuner._classes[8].probe_every == MAX_PROBE_EVERY
+
+
+def test_large_steps_one_thread_configs_and_disabled_tuners_are_left_alone() -> None:
+    assert StepThreads().choose(MAX_TUNED_TOKENS + 1, 2) == (2, False)
+    assert StepThreads().choose(8, 1) == (1, False)
+    assert StepThreads(enabled=False).choose(8, 2) == (2, False)
+
+
+def test_step_restores_the_configured_thread_count() -> None:
+    before = torch.get_num_threads()
+    tuner = StepThreads()
+    for _ in range(3):
+        with tuner.step(8) as threads:
+            assert torch.get_num_threads() == threads
+        assert torch.get_num_threads() == before
