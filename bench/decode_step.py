@@ -19,10 +19,12 @@ of runner replays (top ops by self CPU time).
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import io
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +51,7 @@ def import_baseline(ref: str) -> str:
     with its ``runtime`` imports renamed, and put that folder on ``sys.path``. Returns the package name."""
     tar = subprocess.run(["git", "-C", str(REPO), "archive", ref, "runtime"], check=True, capture_output=True).stdout
     root = Path(tempfile.mkdtemp(prefix="decode-step-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
         tf.extractall(root, filter="data")
     pkg = root / BASELINE_PKG
