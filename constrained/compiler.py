@@ -8,7 +8,7 @@ worker slot is handed to the next job at once; the abandoned compile finishes in
 dropped. Running plus abandoned compiles never exceed ``max_workers + max_abandoned`` threads; past that new jobs
 wait, so a flood of pathological schemas cannot spawn unbounded threads. A process pool would make compiles
 killable, but a compiled llguidance grammar cannot cross a process boundary, so the work would be done twice.
-Each compile runs on a thread of its own; one still running ``demote_after_s`` (50 ms) after it started gets
+Each compile runs on a thread of its own; one still running ``demote_after_s`` (10 ms) after it started gets
 ``nice`` added to its niceness (Linux), so pathological and abandoned compiles use only the CPU that decoding
 leaves, while ordinary compiles (a few ms) stay at normal priority and fast under load.
 
@@ -77,7 +77,7 @@ class GrammarCompiler:
         max_abandoned: int | None = None,
         error_ttl_s: float = 60.0,
         nice: int = 0,
-        demote_after_s: float = 0.05,
+        demote_after_s: float = 0.01,
     ) -> None:
         if max_workers < 1 or cache_size < 1 or timeout_s <= 0:
             raise ValueError("max_workers and cache_size must be >= 1 and timeout_s > 0")

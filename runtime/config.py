@@ -44,7 +44,7 @@ class EngineConfig:
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
     grammar_workers: int = _opt(2, "Threads compiling grammars (off the engine loop).")
     grammar_nice: int = _opt(
-        19, "Niceness added to a grammar compile still running after 50 ms (Linux): it uses the CPU decoding leaves."
+        19, "Niceness added to a grammar compile still running after 10 ms (Linux): it uses the CPU decoding leaves."
     )
     tp: int = _opt(1, "Tensor-parallel ranks: attention heads, MLP and vocabulary split over N processes/GPUs.")
     nnodes: int = _opt(1, "Nodes the tensor-parallel ranks span (each runs --tp / --nnodes ranks).")
