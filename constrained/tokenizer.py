@@ -221,11 +221,11 @@ def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int,
 
     source = _Source()
     round_trips = all(b"".join(tokens[t] for t in source(p)) == p.encode("utf-8") for p in _ROUND_TRIP_PROBES)
-    ll = _native(backend, size, eos, special, tokens, source) if round_trips else None
-    if ll is not None:
-        pass
-    elif round_trips:
-        ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), eos_token=list(eos))
+    if round_trips:
+        # Prefer llguidance's own copy (no Python callback in masks); the callback is the fallback.
+        ll = _native(backend, size, eos, special, tokens, source) or llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(source), eos_token=list(eos)
+        )
     else:
         # The tokenizer rewrites text while encoding (e.g. a SentencePiece prefix space): let llguidance drive
         # the Rust tokenizer itself, which knows those rules, and check it agrees with our byte table.
