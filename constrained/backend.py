@@ -265,15 +265,17 @@ class LLGuidanceBackend:
         row = torch.zeros((1, self.info.bitmask_words), dtype=torch.int32)
         for _ in range(PROBE_STEPS):
             probe.fill_bitmask(row, 0)
-            if probe.error() is None and probe.is_terminated():
-                return None
-            allowed = _first_allowed(row[0], exclude=self.info.eos_token_ids) if probe.error() is None else None
-            if allowed is None:
-                if probe.error() is None and probe.can_terminate():
-                    return None  # only the end is allowed, e.g. the empty-string grammar
-                why = probe.error() or NO_OUTPUT
+            why = probe.error()
+            if why is not None:
                 kind = "too_complex" if "limit" in why or "too many" in why else "invalid"
                 return GrammarError(f"the constraint cannot be enforced: {why}", kind=kind)
+            if probe.is_terminated():
+                return None
+            allowed = _first_allowed(row[0], exclude=self.info.eos_token_ids)
+            if allowed is None:
+                if probe.can_terminate():
+                    return None  # only the end is allowed, e.g. the empty-string grammar
+                return GrammarError(f"the constraint cannot be enforced: {NO_OUTPUT}", kind="invalid")
             forced = probe.forced_tokens()
             for token in forced or [allowed]:
                 if not probe.accept_token(token):

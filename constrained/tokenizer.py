@@ -152,6 +152,14 @@ class TokenizerInfo:
         return info
 
 
+def _disagreement(ll: llguidance.LLTokenizer, size: int, special: set[int], tokens: tuple[bytes, ...]) -> int | None:
+    """The first id whose special-ness or bytes differ between ``ll`` and the byte table, or None."""
+    for i in range(size):
+        if (i in special) != ll.is_special_token(i) or (i not in special and ll.decode_bytes([i]) != tokens[i]):
+            return i
+    return None
+
+
 def _native(
     backend: Any, size: int, eos: tuple[int, ...], special: set[int], tokens: tuple[bytes, ...], source: Any
 ) -> llguidance.LLTokenizer | None:
@@ -176,9 +184,8 @@ def _native(
         ll = llguidance.LLTokenizer(json.dumps(spec), n_vocab=size, eos_token=list(eos))
     except (ValueError, RuntimeError):
         return None
-    for i in range(size):
-        if (i in special) != ll.is_special_token(i) or (i not in special and ll.decode_bytes([i]) != tokens[i]):
-            return None
+    if _disagreement(ll, size, special, tokens) is not None:
+        return None
     probes = _ROUND_TRIP_PROBES + _NATIVE_PROBES
     if any(ll.tokenize_str(p) != source(p) for p in probes):
         return None
@@ -230,9 +237,9 @@ def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int,
         # The tokenizer rewrites text while encoding (e.g. a SentencePiece prefix space): let llguidance drive
         # the Rust tokenizer itself, which knows those rules, and check it agrees with our byte table.
         ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
-        for i in range(size):
-            if (i in special) != ll.is_special_token(i) or (i not in special and ll.decode_bytes([i]) != tokens[i]):
-                raise TokenizerError(f"llguidance's view of token {i} differs from the tokenizer's bytes")
+        bad = _disagreement(ll, size, special, tokens)
+        if bad is not None:
+            raise TokenizerError(f"llguidance's view of token {bad} differs from the tokenizer's bytes")
     if ll.vocab_size != size:
         raise TokenizerError(f"llguidance sees {ll.vocab_size} tokens, expected {size}")
     return TokenizerInfo(tokens, frozenset(special), eos, size, ll)

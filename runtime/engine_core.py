@@ -15,7 +15,7 @@ from runtime.batch import BatchPlan, ScheduledChunk, StepResult
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer, StopChecker
 from runtime.distributed.tensor_parallel import WorkerDiedError
-from runtime.grammar import GrammarViolation
+from runtime.grammar import GrammarViolation, grammar_failure
 from runtime.kv_cache import KVCacheManager
 from runtime.model_runner import ModelRunner
 from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
@@ -204,9 +204,8 @@ class EngineCore:
         if logprob is not None:
             req.output_logprobs.append(logprob)
         if req.grammar is not None and not req.grammar.accept_token(token):
-            why = req.grammar.error()
-            if why is not None:
-                raise GrammarViolation(f"the constraint cannot be followed after {n_before} output tokens: {why}")
+            if req.grammar.error() is not None:
+                raise GrammarViolation(grammar_failure(req, n_before).message)
             raise RuntimeError(f"token {token} was sampled outside the request's grammar")
         params = req.params
         n_out = len(req.output_ids)

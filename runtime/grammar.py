@@ -33,11 +33,12 @@ class GrammarViolation(RuntimeError):
     code = ErrorCode.GRAMMAR
 
 
-def grammar_failure(req: Req) -> Failure:
-    """The failure of a request whose matcher reports an error (``Matcher.error()``)."""
+def grammar_failure(req: Req, num_tokens: int | None = None) -> Failure:
+    """The failure of a request whose matcher reports an error (``Matcher.error()``), after ``num_tokens`` output
+    tokens (default: all of them)."""
     why = req.grammar.error() if req.grammar is not None else None
-    message = f"the constraint cannot be followed after {len(req.output_ids)} output tokens: {why}"
-    return Failure(message, ErrorCode.GRAMMAR)
+    n = len(req.output_ids) if num_tokens is None else num_tokens
+    return Failure(f"the constraint cannot be followed after {n} output tokens: {why}", ErrorCode.GRAMMAR)
 
 
 class GrammarSupport:
