@@ -64,7 +64,7 @@ def import_baseline(ref: str) -> str:
 
 
 # Every implementation steps on this one thread. Like the engine's loop thread it is not the thread that loaded the
-# models, and it is the process's only OpenMP team (see ``runtime.loader.one_intra_op_thread``): a team per
+# models, and it is the process's only OpenMP team (see ``runtime.threads.one_intra_op_thread``): a team per
 # implementation would slow all of them.
 STEP_THREAD = ThreadPoolExecutor(1, thread_name_prefix="step")
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from constrained import CompiledGrammar, ConstraintSpec
-from runtime.attention import TorchReferenceBackend
+from runtime.attention import TorchReferenceBackend, cpu_kernels
 from runtime.config import EngineConfig
 from runtime.distributed import TensorParallelModel, finish_start, start_leader
 from runtime.engine_core import EngineCore
@@ -91,7 +91,8 @@ class Engine:
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
         model = self._tp if self._tp is not None else loaded.model
-        runner = ModelRunner(model, pool, TorchReferenceBackend(), sampler, loaded.device)
+        attention = TorchReferenceBackend(cpu_kernels=cpu_kernels.applies(loaded.device, loaded.dtype))
+        runner = ModelRunner(model, pool, attention, sampler, loaded.device)
         self.core = EngineCore(
             config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len
         )

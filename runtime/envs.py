@@ -56,3 +56,9 @@ def tune_threads() -> bool:
     """``RADIXSERVE_TUNE_THREADS=0`` runs every step on ``torch.get_num_threads()`` threads, instead of timing one
     thread against them for small (decode) steps (see ``runtime.threads``)."""
     return get_bool("TUNE_THREADS", True)
+
+
+def cpu_kernels() -> bool:
+    """``RADIXSERVE_CPU_KERNELS=0`` keeps CPU attention on PyTorch ops instead of the compiled kernels of
+    ``runtime.attention.cpu_kernels`` (built once per machine)."""
+    return get_bool("CPU_KERNELS", True)

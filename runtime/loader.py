@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from runtime.config import EngineConfig
 from runtime.model_source import resolve_model
 from runtime.models.linear import prepack
 from runtime.models.llama import LlamaForCausalLM, ModelArgs
+from runtime.threads import one_intra_op_thread
 from runtime.weights import iter_weights, load_hf_config, load_tokenizer
 
 logger = logging.getLogger("radixserve.model")
@@ -73,22 +72,6 @@ def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> set[int]:
         elif isinstance(eos, list):
             ids.update(int(x) for x in eos)
     return ids
-
-
-@contextmanager
-def one_intra_op_thread() -> Iterator[None]:
-    """Run the body on one intra-op thread (the loading costs a few tenths of a second more).
-
-    Why: the engine runs the model on its own thread, and every thread that runs a multi-threaded op gets its own
-    OpenMP team. Had loading done so on the caller's thread, the process would hold more OpenMP threads than cores,
-    and then libgomp stops letting idle workers spin between ops: each op of a decode step pays for waking them
-    (an 8-row SmolLM2-135M decode step on 2 cores: 33 ms with one team, 52 ms with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def load_model(config: EngineConfig) -> LoadedModel:

@@ -21,7 +21,13 @@ def _load(folder: Path) -> LlamaForCausalLM:
     return model.eval()
 
 
-def _ctx(pool: KVPool, out_slots: list[int], extends: list[ExtendSeq], decode: list[list[int]] | None = None):
+def _ctx(
+    pool: KVPool,
+    out_slots: list[int],
+    extends: list[ExtendSeq],
+    decode: list[list[int]] | None = None,
+    cpu_kernels: bool = False,
+):
     decode_slots = decode_mask = None
     if decode:
         width = max(len(t) for t in decode)
@@ -35,7 +41,7 @@ def _ctx(pool: KVPool, out_slots: list[int], extends: list[ExtendSeq], decode: l
         decode_mask=decode_mask,
         extends=tuple(extends),
     )
-    return ForwardContext(meta, pool, TorchReferenceBackend())
+    return ForwardContext(meta, pool, TorchReferenceBackend(cpu_kernels=cpu_kernels))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen_dir"])
@@ -65,14 +71,24 @@ def test_prefill_chunked_and_decode_match_hf(fixture: str, request: pytest.Fixtu
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (dtype, compiled CPU kernel, head size): the kernel has an AVX-512 path for head sizes 64 and 128 and a
+# generic one for the rest; bfloat16 always takes PyTorch ops.
+DECODE_CASES = [
+    (torch.float32, False, 16),
+    (torch.bfloat16, False, 16),
+    (torch.float32, True, 16),
+    (torch.float32, True, 64),
+]
+
+
+@pytest.mark.parametrize(("dtype", "cpu_kernels", "d"), DECODE_CASES)
 @torch.inference_mode()
-def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype) -> None:
+def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype, cpu_kernels: bool, d: int) -> None:
     """Cascade decode attention (shared prefix once, merged by log-sum-exp) equals attention over full rows."""
     from runtime.attention import PrefixGroup
 
     torch.manual_seed(0)
-    n_kv, heads, d = 2, 6, 16
+    n_kv, heads = 2, 6
     pool = KVPool(400, 1, n_kv, d, dtype, torch.device("cpu"))
     pool.k[0].copy_(torch.randn(400, n_kv, d))
     pool.v[0].copy_(torch.randn(400, n_kv, d))
@@ -87,7 +103,8 @@ def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype) -> None
         lens = torch.tensor([len(t) for t in tables])
         return slots, (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
 
-    backend = TorchReferenceBackend()
+    backend = TorchReferenceBackend(cpu_kernels=cpu_kernels)
+    assert not cpu_kernels or backend._decode_kernel is not None, "the CPU kernel did not build"
     outs = []
     for grouped in (False, True):
         tables = [r[len(prefix):] if grouped and i < 4 else r for i, r in enumerate(rows)]
@@ -101,13 +118,14 @@ def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype) -> None
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cpu_kernels", "d"), DECODE_CASES)
 @torch.inference_mode()
-def test_batched_decode_attention_equals_per_row_softmax(dtype: torch.dtype) -> None:
-    """The decode path (one gather of keys, embedding_bag over values, padding masked) equals plain attention of
-    each row over its own slots, with grouped-query heads; new K/V land in their slots first."""
+def test_batched_decode_attention_equals_per_row_softmax(dtype: torch.dtype, cpu_kernels: bool, d: int) -> None:
+    """The decode path (one gather of keys, embedding_bag over values, padding masked; or the compiled kernel)
+    equals plain attention of each row over its own slots, with grouped-query heads; new K/V land in their slots
+    first."""
     torch.manual_seed(0)
-    n_kv, heads, d, n_slots = 2, 6, 16, 300
+    n_kv, heads, n_slots = 2, 6, 300
     pool = KVPool(n_slots, 2, n_kv, d, dtype, torch.device("cpu"))
     pool.k[1].copy_(torch.randn(n_slots, n_kv, d))
     pool.v[1].copy_(torch.randn(n_slots, n_kv, d))
@@ -117,7 +135,7 @@ def test_batched_decode_attention_equals_per_row_softmax(dtype: torch.dtype) -> 
     k_new = torch.randn(len(tables), n_kv, d, dtype=dtype)
     v_new = torch.randn(len(tables), n_kv, d, dtype=dtype)
     out_slots = [t[-1] for t in tables]
-    got = _ctx(pool, out_slots, [], decode=tables).attend(1, q, k_new, v_new)
+    got = _ctx(pool, out_slots, [], decode=tables, cpu_kernels=cpu_kernels).attend(1, q, k_new, v_new)
     assert torch.equal(pool.k[1][torch.tensor(out_slots)], k_new)
     for i, table in enumerate(tables):
         keys = pool.k[1][torch.tensor(table)].float().repeat_interleave(heads // n_kv, dim=1)  # [L, H, D]

@@ -8,7 +8,9 @@ per layer rather than 64 times. Prefill chunks go one sequence at a time (few pe
 Decode is the hot loop of serving, so its per-step work (gather indices, the padding mask) is done once per
 forward pass in ``prepare``. Per layer, one ``index_select`` gathers the rows' keys into a reused workspace,
 already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` reads in place, and
-``embedding_bag`` sums the values weighted by the probabilities straight from the pool.
+``embedding_bag`` sums the values weighted by the probabilities straight from the pool. On CPU in float32 the
+compiled kernel of ``cpu_kernels`` does a decode row's whole attention reading the pool in place instead (opt in
+with ``cpu_kernels=True``; the engine does for CPU float32 models); the PyTorch ops stay the reference.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.attention.base import AttentionBackend, AttentionMetadata, PrefixGroup
+from runtime.attention.cpu_kernels import DecodeAttention, decode_attention_op
 from runtime.kv_pool import KVPool
 
 # Gather workspaces up to this size are kept between layers and steps (a fresh multi-MB tensor per layer costs
@@ -33,6 +36,8 @@ class _DecodeLayout:
     key_index: torch.Tensor  # [B * Hkv * L] rows of kv[0].view(-1, D): each row's keys, head by head, padded
     bias: torch.Tensor  # [B * Hkv, 1, L] float32: 0 where a real token sits, -inf on padding
     width: int  # L, the padded row length
+    slots: torch.Tensor  # [B, L] each row's slots, padded (the kernel's input)
+    lens: torch.Tensor  # [B] int64, each row's real length
     prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``_kv_rows`` of its prefix slots
     # Value rows per (row, head, query head) for ``embedding_bag``; made by the first layer (it needs G).
     value_index: torch.Tensor | None = None
@@ -53,22 +58,28 @@ def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
 
 
 class TorchReferenceBackend(AttentionBackend):
-    def __init__(self) -> None:
+    """``cpu_kernels=True`` runs float32 CPU decode attention on the compiled kernel when it builds on this
+    machine (see ``runtime.attention.cpu_kernels``; the first use on a machine compiles it, ~20 s)."""
+
+    def __init__(self, cpu_kernels: bool = False) -> None:
         self._workspace: torch.Tensor | None = None
+        self._decode_kernel: DecodeAttention | None = decode_attention_op() if cpu_kernels else None
 
     def prepare(self, meta: AttentionMetadata, pool: KVPool) -> _StepState:
         decode = None
         if meta.num_decode:
             assert meta.decode_slots is not None and meta.decode_mask is not None
             b, width = meta.decode_slots.shape
-            pad = ~meta.decode_mask.reshape(b, width)
+            real = meta.decode_mask.reshape(b, width)
+            pad = ~real
             bias = torch.zeros(b, width, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
             n_kv = pool.num_kv_heads
             bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
             heads = torch.arange(n_kv, device=pad.device) * pool.num_slots
             keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
             prefixes = tuple(_kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
-            decode = _DecodeLayout(keys, bias, width, prefixes)
+            lens = real.sum(dim=1)
+            decode = _DecodeLayout(keys, bias, width, meta.decode_slots, lens, prefixes)
         extends = tuple(None if s.kv_slots is None else _kv_rows(s.kv_slots, pool) for s in meta.extends)
         return _StepState(decode, extends)
 
@@ -135,8 +146,17 @@ class TorchReferenceBackend(AttentionBackend):
         b, h, d = q.shape
         n_kv = kv.shape[1]
         g = h // n_kv
-        keys = self._gather(kv[0], layout.key_index).view(b * n_kv, layout.width, d)
         qh = q.reshape(b * n_kv, g, d)
+        kernel = self._decode_kernel
+        if kernel is not None and q.dtype == torch.float32 and kv.device.type == "cpu":
+            out, lse = kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5)
+            if not groups:
+                return out
+            # A normalized partial result is the unnormalized one with max = lse and denominator 1.
+            m = lse.view(b, n_kv, g, 1)
+            merged = self._cascade(m, torch.ones_like(m), out.view(b, n_kv, g, d), qh, kv, layout, groups)
+            return merged.view(b, h, d)
+        keys = self._gather(kv[0], layout.key_index).view(b * n_kv, layout.width, d)
         scale = d**-0.5
         if q.dtype == torch.float32:
             # scale * q.k + mask in one op; the scale (a power of two for usual head sizes) and the 0/-inf mask
@@ -144,11 +164,13 @@ class TorchReferenceBackend(AttentionBackend):
             scores = torch.baddbmm(layout.bias, qh, keys.transpose(1, 2), alpha=scale)
         else:
             scores = torch.bmm(qh, keys.transpose(1, 2)).float() * scale + layout.bias
-        if groups:
-            out = self._cascade(scores, qh, kv, layout, groups)
-        else:
-            out = self._weighted_values(torch.softmax(scores, dim=-1), kv, layout)
-        return out.view(b, h, d)
+        if not groups:
+            return self._weighted_values(torch.softmax(scores, dim=-1), kv, layout).view(b, h, d)
+        m = scores.amax(dim=-1, keepdim=True)
+        e = torch.exp(scores - m)
+        den = e.sum(dim=-1, keepdim=True).view(b, n_kv, g, 1)
+        num = self._weighted_values(e, kv, layout).float().view(b, n_kv, g, d)
+        return self._cascade(m.view(b, n_kv, g, 1), den, num, qh, kv, layout, groups).view(b, h, d)
 
     def _weighted_values(self, weights: torch.Tensor, kv: torch.Tensor, layout: _DecodeLayout) -> torch.Tensor:
         """``weights`` [B * Hkv, G, L] (float32) times each row's values: ``[B * Hkv, G, D]`` in the pool's dtype.
@@ -173,22 +195,19 @@ class TorchReferenceBackend(AttentionBackend):
 
     def _cascade(
         self,
-        scores: torch.Tensor,  # [B * Hkv, G, L] float32, each row's own (suffix) keys
+        m: torch.Tensor,  # [B, Hkv, G, 1] float32: the running max of each row's own (suffix) scores
+        den: torch.Tensor,  # [B, Hkv, G, 1] float32: sum of exp(score - m) over the suffix
+        num: torch.Tensor,  # [B, Hkv, G, D] float32: those weights times the suffix values
         qh: torch.Tensor,  # [B * Hkv, G, D]
         kv: torch.Tensor,
         layout: _DecodeLayout,
         groups: tuple[PrefixGroup, ...],
     ) -> torch.Tensor:
-        """Unnormalized partial results over each row's suffix, merged with each group's shared prefix by
+        """Each row's unnormalized partial result over its suffix, merged with its group's shared prefix by
         log-sum-exp; returns ``[B * Hkv, G, D]``."""
         n_kv, d = kv.shape[1], kv.shape[3]
         b, g = qh.shape[0] // n_kv, qh.shape[1]
         dtype = qh.dtype
-        m = scores.amax(dim=-1, keepdim=True)
-        e = torch.exp(scores - m)
-        den = e.sum(dim=-1, keepdim=True).view(b, n_kv, g, 1)
-        num = self._weighted_values(e, kv, layout).float().view(b, n_kv, g, d)
-        m = m.view(b, n_kv, g, 1)
         q4 = qh.view(b, n_kv, g, d)
         for group, index in zip(groups, layout.prefix_index, strict=True):
             nb = group.rows.shape[0]

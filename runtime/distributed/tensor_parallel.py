@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.attention import TorchReferenceBackend
+from runtime.attention import TorchReferenceBackend, cpu_kernels
 from runtime.attention.base import ForwardContext
 from runtime.config import EngineConfig
 from runtime.distributed.group import (
@@ -194,7 +194,7 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
     _, num_slots = broadcast_command(None, groups.control)
     kv_heads = args.num_kv_heads // layout.world
     pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, device)
-    attention = TorchReferenceBackend()
+    attention = TorchReferenceBackend(cpu_kernels=cpu_kernels.applies(device, loaded.dtype))
     dist.barrier(group=groups.control)
     with torch.inference_mode():
         while True:
