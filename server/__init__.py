@@ -3,15 +3,13 @@
 ``create_app(engine_or_factory, server_config)`` builds the FastAPI app; ``radixserve serve`` runs it.
 """
 
-import os
+# OMP_WAIT_POLICY is left as the environment sets it. libgomp's default (idle workers spin briefly, then sleep)
+# is what a decode step's chain of short ops needs: forcing PASSIVE made `radixserve serve` ~30% slower on a quiet
+# 2-core machine (8 streams: 235-262 vs 304-343 tok/s). The spinning is safe because the engine thread holds the
+# process's only OpenMP team (the model loads and the CPU kernels self-check on one intra-op thread); two teams
+# spinning against each other were what once made steps 10-50x slower.
 
-# Before torch is imported (libgomp reads it once, at load): idle OpenMP workers sleep instead of spinning. The
-# model is loaded on one thread and run on the engine thread; with spinning workers the two threads' OpenMP teams
-# fight over the cores, and on a small CPU machine every decode step of `radixserve serve` ran 10-50x slower.
-# An explicit OMP_WAIT_POLICY in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from server.app import attach_server, create_app  # noqa: E402
-from server.config import ServerConfig  # noqa: E402
+from server.app import attach_server, create_app
+from server.config import ServerConfig
 
 __all__ = ["ServerConfig", "attach_server", "create_app"]

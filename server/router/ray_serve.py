@@ -57,7 +57,6 @@ class EngineReplica:
     """One engine and the radixserve app over it; requests come from the router through ``request``."""
 
     def __init__(self, engine_config: dict[str, Any]) -> None:
-        import server  # noqa: F401 - sets OMP_WAIT_POLICY before torch loads, as ``radixserve serve`` does
         from runtime.engine import Engine
         from server.app import create_app
 
