@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, get_args
 
+from constrained.regex_check import regex_problem, schema_pattern_problem
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 ErrorKind = Literal["invalid", "unsupported", "timeout", "too_complex", "internal"]
 
@@ -128,6 +130,15 @@ class ConstraintSpec:
                     raise GrammarError(f"choice[{i}] must be a non-empty string, got {item!r}")
         if len(self.key) > MAX_SPEC_CHARS:
             raise GrammarError(f"{self.kind} is {len(self.key)} characters long; the limit is {MAX_SPEC_CHARS}")
+        # Regexes that unroll into huge lexers are refused here, before they cost a compile worker any time.
+        if self.kind == "regex":
+            problem = regex_problem(self.value)
+        elif self.kind == "json_schema":
+            problem = schema_pattern_problem(self.value)
+        else:
+            problem = None
+        if problem is not None:
+            raise GrammarError(problem, kind="too_complex")
 
     @cached_property
     def key(self) -> str:

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from constrained import (
     fill_bitmasks,
 )
 from constrained.backend import LLGuidanceBackend
+from constrained.regex_check import forced_run
 
 PERSON = {
     "type": "object",
@@ -205,7 +207,8 @@ def test_errors_name_the_problem(compiler) -> None:
         (ConstraintSpec("grammar", "start: start"), "invalid", "admits no output"),
         (ConstraintSpec("grammar", 'start: a\na: a "x"'), "invalid", "admits no output"),
         (ConstraintSpec("json_schema", {"$ref": "#"}), "invalid", "admits no output"),
-        (ConstraintSpec("regex", "(a{1000}){1000}"), "too_complex", "too many expressions"),
+        # Python cannot parse \p{L}, so no static check stops this one: the backend's limits do.
+        (ConstraintSpec("regex", r"\p{L}(a{1000}){1000}"), "too_complex", "too many expressions"),
     ],
 )
 def test_grammars_that_cannot_be_served_are_refused_at_compile_time(compiler, spec, kind, why) -> None:
@@ -214,6 +217,62 @@ def test_grammars_that_cannot_be_served_are_refused_at_compile_time(compiler, sp
     with pytest.raises(GrammarError, match=why) as err:
         compiler.compile(spec)
     assert err.value.kind == kind
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ConstraintSpec("regex", "(a{1000}){1000}"),
+        ConstraintSpec("regex", "x(b{600}){600}|y"),
+        ConstraintSpec("json_schema", {"properties": {"a/b": {"type": "string", "pattern": "^(x{300}){300}$"}}}),
+        ConstraintSpec("json_schema", {"type": "object", "patternProperties": {"^k{99999}$": {"type": "integer"}}}),
+    ],
+)
+def test_regexes_forcing_huge_stretches_are_refused_before_compiling(info, spec) -> None:
+    """Nested counts multiply; a regex that forces too long a stretch is refused when submitted, without costing
+    a compile worker (these took ~1 s of lexer work each). The error names the JSON pointer of a schema's pattern."""
+    release = threading.Event()
+
+    class Blocking:  # every compile waits: only a refusal at submit can finish the future at once
+        name = "blocking"
+
+        def compile(self, spec):
+            release.wait(30)
+            raise AssertionError("compiled")
+
+    compiler = GrammarCompiler(info, max_workers=1, backend=Blocking())
+    try:
+        failed = compiler.submit(spec)
+        assert failed.done(), "refused at submit, not queued for a worker"
+        assert failed.exception().kind == "too_complex" and "forces a stretch" in str(failed.exception())
+        if spec.kind == "json_schema" and "properties" in spec.value:
+            assert "/properties/a~1b/pattern" in str(failed.exception())
+    finally:
+        release.set()
+        compiler.close()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "run"),
+    [
+        ("(b{600}){600}", 360_000),
+        ("x(b{600}){600}|y", 360_001),
+        ("a{3000}(a{3000}[xy])", 6_000),  # a group's forced head joins the run before it
+        ("(ab[xy]cd){3}", 4),  # one copy's tail runs into the next copy's head
+        ("(a{600}){0,600}", 600),  # optional copies are not forced, the inside of one is
+        ("(a{0,600}){600}", 1),
+        ("[ab]{300000}", 0),  # a class is a choice at every character: cheap however long
+        (r"^(\d{1,3}\.){3}\d{1,3}$", 1),
+        ("[0-9{x", None),  # Python cannot parse it: the backend reports the error
+    ],
+)
+def test_forced_run_is_the_longest_stretch_without_a_choice(pattern: str, run: int | None) -> None:
+    assert forced_run(pattern) == run
+
+
+def test_large_but_unforced_repetitions_stay_accepted(compiler) -> None:
+    for pattern in ("[a-z]{0,100000}", "(ab|cd){20000}", "(a{600}){0,600}", "x{30000}"):
+        assert compiler.compile(ConstraintSpec("regex", pattern)) is not None
 
 
 def test_probe_keeps_grammars_that_end_at_once_or_recurse_with_a_base_case(compiler, info) -> None:
@@ -284,22 +343,57 @@ def test_timeout_frees_the_caller_and_the_pool(info) -> None:
         compiler.close()
 
 
+EXIT_DURING_COMPILES = """
+from constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
+from runtime.model_source import resolve_model
+from runtime.weights import load_tokenizer
+
+info = TokenizerInfo.from_hf(load_tokenizer(resolve_model("smollm2-135m-instruct")))
+compiler = GrammarCompiler(info, timeout_s=0.05)
+# Python cannot parse \\p{L}, so these reach llguidance: ~120 ms each, abandoned at 50 ms.
+futures = [compiler.submit(ConstraintSpec("regex", f"{i}\\p{{L}}(b{{{600 + i}}}){{600}}")) for i in range(4)]
+for fut in futures:
+    try:
+        fut.result()
+    except GrammarError as exc:
+        assert exc.kind == "timeout", exc
+print("exiting")
+"""
+
+
+def test_process_exits_cleanly_with_abandoned_compiles_running() -> None:
+    """Abandoned compiles still inside llguidance at interpreter exit once killed the process (SIGSEGV / abort:
+    a daemon thread re-taking the GIL during finalization); exit now waits for them."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_COMPILES], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")
 def test_long_compiles_are_demoted(info) -> None:
     """A compile starts at normal priority; one still running after ``demote_after_s`` yields the CPU to decoding
-    (its niceness is raised by ``nice``)."""
+    (its niceness is raised by ``nice`` and it moves to SCHED_IDLE, which any waking normal thread preempts)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    seen: dict[str, list[int]] = {}
+    normal = os.sched_getscheduler(0)
+    seen: dict[str, list[tuple[int, int]]] = {}
 
     class Probe:
         name = "probe"
 
         def compile(self, spec):
             tid = threading.get_native_id()
-            seen[spec.value] = [os.getpriority(os.PRIO_PROCESS, tid)]
+
+            def priority() -> tuple[int, int]:
+                return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)
+
+            seen[spec.value] = [priority()]
             if spec.value == "slow":
                 time.sleep(0.5)
-            seen[spec.value].append(os.getpriority(os.PRIO_PROCESS, tid))
+            seen[spec.value].append(priority())
             return LLGuidanceBackend(info).compile(spec)
 
     compiler = GrammarCompiler(info, backend=Probe(), nice=5, demote_after_s=0.1)
@@ -308,7 +402,8 @@ def test_long_compiles_are_demoted(info) -> None:
         compiler.compile(ConstraintSpec("regex", "slow"))
     finally:
         compiler.close()
-    assert seen == {"fast": [base, base], "slow": [base, min(19, base + 5)]}
+    demoted = (min(19, base + 5), os.SCHED_IDLE)
+    assert seen == {"fast": [(base, normal), (base, normal)], "slow": [(base, normal), demoted]}
 
 
 def test_apply_bitmask_on_a_batch(compiler, info) -> None:
