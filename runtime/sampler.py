@@ -108,6 +108,16 @@ def _top_k_top_p_cut(
     return threshold, complete
 
 
+def _mask_disallowed(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """In place: ``x[b, t] = -inf`` wherever ``allowed[b, t]`` is False; returns ``x``. Same result as
+    ``masked_fill_(~allowed, -inf)``, which on CPU runs element by element: ~1.4 ms for 16 x 49,152 logits,
+    against ~0.25 ms for adding a bias of 0 / -inf (exact, ``x + 0 == x``)."""
+    inf = float("inf")
+    bias = allowed.to(x.dtype).sub_(1).mul_(inf).nan_to_num_(nan=0.0, neginf=-inf)
+    # A disallowed +inf (a tiny temperature can overflow a logit) gives +inf - inf = nan: it becomes -inf.
+    return x.add_(bias).nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)
+
+
 def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top_k, top_p and min_p on float32 logits [S, V] of sampled rows; returns new logits.
 
@@ -132,14 +142,14 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         if redo.numel():
             full = sub[redo].sort(dim=-1, descending=True).values
             threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
-        sub = sub.masked_fill(sub < threshold[:, None], _NEG_INF)
         # Out of place: ``xs`` may still be the caller's tensor, whose rows also feed logprobs.
+        sub = _mask_disallowed(sub.clone(), sub >= threshold[:, None])
         xs = sub if every_row else xs.index_put((idx,), sub)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.
         threshold = xs.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-        xs = xs.masked_fill(xs < threshold, _NEG_INF)
+        xs = _mask_disallowed(xs.clone(), xs >= threshold)
     return xs
 
 
@@ -259,7 +269,8 @@ class Sampler:
         x = logits[:, :v]
         if allowed is not None:
             allowed = allowed[:, :v].to(device=x.device, dtype=torch.bool)
-            empty = (~allowed.any(dim=-1)).nonzero().flatten().tolist()
+            # A max over the bytes: a bool any() over [B, V] costs ~20x more on CPU.
+            empty = (allowed.view(torch.uint8).amax(dim=-1) == 0).nonzero().flatten().tolist()
             if empty:
                 raise NoAllowedTokenError([reqs[i].rid for i in empty])
 
@@ -278,12 +289,12 @@ class Sampler:
         if all(greedy) and not needs_edit and not any(want_lp):
             # Fast path: a cast to float32 is monotone, so the argmax needs no float32 copy.
             if allowed is not None:
-                x = x.masked_fill(~allowed, _NEG_INF)
+                x = _mask_disallowed(x.clone(), allowed)
             return SampleOutput(x.argmax(dim=-1).tolist(), [None] * b)
 
         x = x.to(torch.float32, copy=True).contiguous()
         if allowed is not None:
-            x.masked_fill_(~allowed, _NEG_INF)
+            _mask_disallowed(x, allowed)
         if needs_edit:
             self._apply_penalties(x, reqs)
             self._apply_min_new_tokens(x, reqs, masked=allowed is not None)

@@ -423,3 +423,18 @@ def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: in
         assert [t for t, _ in e.top] == ref[i].topk(4).indices.tolist()
         torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), ref[i].topk(4).values)
     assert all(e.top == [] for e in token_logprobs(logits, targets, top_n=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_disallowed_equals_masked_fill(dtype: torch.dtype) -> None:
+    """The bias-add masking (fast on CPU) gives exactly what ``masked_fill_(~allowed, -inf)`` gives, infinities
+    included."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 1000, generator=gen) * 30).to(dtype)
+    x[0, :3] = torch.tensor([float("inf"), float("-inf"), 0.0], dtype=dtype)
+    x[1, :3] = torch.tensor([float("inf"), float("-inf"), 0.0], dtype=dtype)
+    allowed = torch.rand(6, 1000, generator=gen) < 0.3
+    allowed[0, :3] = False
+    allowed[1, :3] = True
+    want = x.masked_fill(~allowed, float("-inf"))
+    assert torch.equal(sampler_mod._mask_disallowed(x.clone(), allowed), want)
