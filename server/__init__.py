@@ -5,9 +5,9 @@
 
 # OMP_WAIT_POLICY is left as the environment sets it. libgomp's default (idle workers spin briefly, then sleep)
 # is what a decode step's chain of short ops needs: forcing PASSIVE made `radixserve serve` ~20% slower on a quiet
-# 2-core machine (`python -m bench.omp_wait_policy`, 8 clients: 154 vs 196 output tok/s). The spinning is safe because the engine thread holds the
-# process's only OpenMP team (the model loads and the CPU kernels self-check on one intra-op thread); two teams
-# spinning against each other were what once made steps 10-50x slower.
+# 2-core machine (`python -m bench.omp_wait_policy`, 8 clients: 154 vs 196 output tok/s). The spinning is safe
+# because the engine thread holds the process's only OpenMP team (the model loads and the CPU kernels self-check
+# on one intra-op thread); two teams spinning against each other were what once made steps 10-50x slower.
 
 from server.app import attach_server, create_app
 from server.config import ServerConfig
