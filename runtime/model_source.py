@@ -231,14 +231,15 @@ def _write_source_info(folder: Path, gguf_file: Path, *, builtin: BuiltinModel |
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    """Exclusive advisory lock across processes (and threads: each call opens its own file description)."""
+def file_lock(lock_path: Path, what: str = "the same model") -> Iterator[None]:
+    """Exclusive advisory lock across processes (and threads: each call opens its own file description); the
+    kernel drops it when its holder dies, so a killed process never leaves it held."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as fh:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            LOGGER.info("another process is preparing the same model (%s); waiting for it", lock_path.name)
+            LOGGER.info("another process is preparing %s (%s); waiting for it", what, lock_path.name)
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -256,7 +257,7 @@ def _cached_build(target: Path, build: Callable[[Path], None]) -> Path:
         return target
     parent = target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(envs.cache_dir() / "locks" / f"{target.name}.lock"):
+    with file_lock(envs.cache_dir() / "locks" / f"{target.name}.lock"):
         if is_model_folder(target):  # another process finished while we waited for the lock
             LOGGER.info("using cached model at %s", target)
             return target

@@ -51,3 +51,22 @@ def test_kernel_handles_empty_rows_and_refuses_bad_slots(op) -> None:
         op(q, kv, torch.tensor([[1, 2, 50, 3], [0, 1, 2, 3]]), torch.tensor([4, 4]), 0.125)
     with pytest.raises(RuntimeError, match="length out of range"):
         op(q, kv, torch.zeros(2, 4, dtype=torch.long), torch.tensor([5, 4]), 0.125)
+
+
+def test_a_build_killed_midway_does_not_block_later_starts(op) -> None:
+    """torch's extension builder leaves its ``lock`` file behind when the building process is killed, and every
+    later build would wait on it forever; a start finds the stale file and goes on."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime import envs
+    from runtime.attention.cpu_kernels import SOURCE, _build_key
+
+    build_dir = envs.cache_dir() / "kernels" / _build_key(SOURCE.read_text())
+    (build_dir / "lock").touch()  # what a process killed mid-build leaves
+    code = "from runtime.attention.cpu_kernels import decode_attention_op; assert decode_attention_op() is not None"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (build_dir / "lock").exists()

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from runtime import envs
+from runtime.model_source import file_lock
 from runtime.threads import one_intra_op_thread
 
 logger = logging.getLogger("radixserve.kernels")
@@ -106,14 +107,19 @@ def decode_attention_op() -> DecodeAttention | None:
         cached = any(build_dir.glob("*.so"))
         if not cached:
             logger.info("compiling the CPU decode-attention kernel (once per machine, ~20 s) into %s", build_dir)
-        module = cpp_extension.load(
-            name=f"radixserve_decode_attention_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        # torch's builder guards the folder with a ``lock`` file that a process killed mid-build leaves behind, and
+        # every later build would wait for it forever. Under our own lock (released by the kernel if its holder
+        # dies) no one else is building, so such a file is stale.
+        with file_lock(build_dir.parent / f"{key}.lock", "the CPU attention kernel"):
+            (build_dir / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(
+                name=f"radixserve_decode_attention_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
         op = module.decode_attention
         # On one thread: a multi-threaded op here would give the caller's thread an OpenMP team of its own, and
         # with more OpenMP threads than cores libgomp stops letting the engine thread's workers spin between ops
