@@ -41,14 +41,15 @@ def _executor() -> llguidance.LLExecutor:
         return _EXECUTOR
 
 
-def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-    """Write each matcher's allowed tokens into its row of ``bitmask``; llguidance rows are computed in parallel."""
+def fill_bitmasks(rows: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor, parallel: bool = True) -> None:
+    """Write each matcher's allowed tokens into its row of ``bitmask``; with ``parallel``, llguidance rows are
+    computed on llguidance's thread pool, else one after another on the calling thread."""
     fast: list[tuple[llguidance.LLMatcher, int]] = []
     for matcher, row in rows:
         if not 0 <= row < bitmask.shape[0]:
             raise ValueError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
-        parallel = isinstance(matcher, LLGuidanceMatcher) and bitmask.shape[1] == matcher.words
-        if parallel and bitmask.is_contiguous():
+        pooled = parallel and isinstance(matcher, LLGuidanceMatcher) and bitmask.shape[1] == matcher.words
+        if pooled and bitmask.is_contiguous():
             fast.append((matcher.ll_matcher, row))
         else:
             matcher.fill_bitmask(bitmask, row)
