@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -101,6 +102,14 @@ class GrammarCompiler:
         self.demote_after_s = demote_after_s
         self._scheduler = threading.Thread(target=self._schedule, name="grammar-scheduler", daemon=True)
         self._scheduler.start()
+        # Interpreter exit joins the (non-daemon) compile threads; stop starting queued jobs first, so that exit
+        # waits only for the running and abandoned compiles, not for the whole queue. (The stdlib's hook that runs
+        # before that join; concurrent.futures uses it too.)
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            ref = weakref.ref(self)
+            with contextlib.suppress(RuntimeError):  # registering while the interpreter is already exiting
+                register(lambda: (compiler := ref()) is not None and compiler.close())
 
     # ------------------------------------------------------------------ public
     def submit(self, spec: ConstraintSpec) -> Future[CompiledGrammar]:

@@ -6,8 +6,9 @@ multiply (``(b{600}){600}`` forces 360,000 characters: ~1 s per compile, or a st
 stretch is reached). Optional and branching repetitions are cheap however large (``[ab]{300000}``,
 ``(a{600}){0,600}``: ~1 ms). So the measure is the longest forced run, computed on Python's parse of the pattern
 in microseconds; a constraint over ``MAX_FORCED_CHARS`` is refused when submitted (``ConstraintSpec.validate``),
-before it costs a compile worker any time. Patterns Python cannot parse (syntax only the backend knows) are left to
-the backend and its own limits.
+before it costs a compile worker any time. The count errs low, never high: a refused regex really forces that
+much. Patterns Python cannot parse, or may read differently from the backend (nested character classes), are left
+to the backend and its own limits.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ class _Runs(NamedTuple):
 _BREAK = _Runs(None, 0, 0, 0)
 
 
-def _seq(items: Any) -> _Runs:
+def _seq(items: Any, icase: bool) -> _Runs:
     fixed: int | None = 0
     prefix = run = longest = 0
     for op, av in items:
-        part = _item(op, av)
+        part = _item(op, av, icase)
         longest = max(longest, part.longest)
         if part.fixed is not None:
             run += part.fixed
@@ -62,18 +63,21 @@ def _seq(items: Any) -> _Runs:
     return _Runs(fixed, prefix, run, longest)
 
 
-def _item(op: Any, av: Any) -> _Runs:
+def _item(op: Any, av: Any, icase: bool) -> _Runs:
     if op == _c.LITERAL:
-        return _Runs(1, 1, 1, 1)
+        # Under IGNORECASE a cased letter is a choice between two characters.
+        return _BREAK if icase and chr(av).lower() != chr(av).upper() else _Runs(1, 1, 1, 1)
     if op in _ZERO_WIDTH:
         return _Runs(0, 0, 0, 0)
     if op == _c.SUBPATTERN:
-        return _seq(av[-1])
+        _group, add_flags, del_flags, sub = av
+        scoped = (icase or bool(add_flags & _c.SRE_FLAG_IGNORECASE)) and not del_flags & _c.SRE_FLAG_IGNORECASE
+        return _seq(sub, scoped)
     if op == getattr(_c, "ATOMIC_GROUP", None):
-        return _seq(av)
+        return _seq(av, icase)
     if op in _REPEATS:
         low, high, sub = av
-        inner = _seq(sub)
+        inner = _seq(sub, icase)
         if low == 0:
             return _Runs(0 if high == 0 else None, 0, 0, inner.longest)
         if inner.fixed is not None:
@@ -83,14 +87,51 @@ def _item(op: Any, av: Any) -> _Runs:
         longest = max(inner.longest, inner.suffix + inner.prefix if low > 1 else 0)
         return _Runs(None, inner.prefix, inner.suffix if high == low else 0, longest)
     if op == _c.BRANCH:
-        return _Runs(None, 0, 0, max(_seq(branch).longest for branch in av[1]))
+        branches = av[1]
+        firsts = [_first_literal(branch, icase) for branch in branches]
+        # A branch's opening run is forced only once its first character has picked it: when that character is
+        # a literal no other branch can start with. Otherwise only runs inside the branches count, which may
+        # under-count (``a{40000}|a{20000}b`` forces 20,000 and counts 0) but never refuses a cheap regex.
+        distinct = None not in firsts and len(set(firsts)) == len(firsts)
+        runs = [_seq(branch, icase) for branch in branches]
+        return _Runs(None, 0, 0, max(r.longest if distinct else _inner(r) for r in runs))
     return _BREAK
 
 
+def _inner(runs: _Runs) -> int:
+    """The longest run of a branch that does not start it (an upper bound would be ``runs.longest``)."""
+    return runs.longest if runs.longest > runs.prefix else 0
+
+
+def _first_literal(items: Any, icase: bool) -> int | None:
+    """The character every match of ``items`` starts with, when it is one literal; else None."""
+    for op, av in items:
+        if op in _ZERO_WIDTH:
+            continue
+        if op == _c.LITERAL:
+            return None if icase and chr(av).lower() != chr(av).upper() else av
+        if op == _c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            scoped = (icase or bool(add_flags & _c.SRE_FLAG_IGNORECASE)) and not del_flags & _c.SRE_FLAG_IGNORECASE
+            return _first_literal(sub, scoped)
+        if op in _REPEATS and av[0] >= 1:
+            return _first_literal(av[2], icase)
+        return None
+    return None
+
+
+# Set syntax that Rust's regex (llguidance) reads as nested or combined classes and Python as literals.
+_RUST_CLASS_SYNTAX = ("[[", "&&", "--", "~~")
+
+
 def forced_run(pattern: str) -> int | None:
-    """The longest stretch of characters ``pattern`` forces; ``None`` if Python cannot parse it."""
+    """The longest stretch of characters ``pattern`` forces; ``None`` where Python cannot parse it or may read
+    it differently from the backend (nested or combined character classes)."""
+    if any(token in pattern for token in _RUST_CLASS_SYNTAX):
+        return None
     try:
-        return _seq(_parser.parse(pattern)).longest
+        parsed = _parser.parse(pattern)
+        return _seq(parsed, bool(parsed.state.flags & _c.SRE_FLAG_IGNORECASE)).longest
     except (_c.error, RecursionError, OverflowError, ValueError):
         return None
 

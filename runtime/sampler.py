@@ -114,8 +114,12 @@ def _mask_disallowed(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     against ~0.25 ms for adding a bias of 0 / -inf (exact, ``x + 0 == x``)."""
     inf = float("inf")
     bias = allowed.to(x.dtype).sub_(1).mul_(inf).nan_to_num_(nan=0.0, neginf=-inf)
-    # A disallowed +inf (a tiny temperature can overflow a logit) gives +inf - inf = nan: it becomes -inf.
-    return x.add_(bias).nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)
+    x.add_(bias)
+    # Disallowed +inf (a tiny temperature can overflow a logit) or nan became nan: those must read -inf, while an
+    # allowed nan stays nan, as with masked_fill. Rare, so the slow exact fix runs only when a nan is there.
+    if bool(torch.isnan(x).any()):
+        x.masked_fill_(torch.isnan(x) & ~allowed, -inf)
+    return x
 
 
 def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -143,13 +147,13 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
             full = sub[redo].sort(dim=-1, descending=True).values
             threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
         # Out of place: ``xs`` may still be the caller's tensor, whose rows also feed logprobs.
-        sub = _mask_disallowed(sub.clone(), sub >= threshold[:, None])
+        sub = _mask_disallowed(sub.clone(), ~(sub < threshold[:, None]))
         xs = sub if every_row else xs.index_put((idx,), sub)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.
         threshold = xs.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
-        xs = _mask_disallowed(xs.clone(), xs >= threshold)
+        xs = _mask_disallowed(xs.clone(), ~(xs < threshold))
     return xs
 
 

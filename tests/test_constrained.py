@@ -264,6 +264,11 @@ def test_regexes_forcing_huge_stretches_are_refused_before_compiling(info, spec)
         ("[ab]{300000}", 0),  # a class is a choice at every character: cheap however long
         (r"^(\d{1,3}\.){3}\d{1,3}$", 1),
         ("[0-9{x", None),  # Python cannot parse it: the backend reports the error
+        ("(?i)x{40000}", 0),  # each cased letter is a choice of two
+        ("(?i)1{40000}", 40_000),
+        ("[[:alpha:]]{40000}", None),  # a class for Rust's regex, a literal "]" for Python's: no opinion
+        ("ab{40000}|cd", 40_001),  # "a" picks the first branch
+        ("a{40000}|a{20000}b", 0),  # both branches start with "a": only inner runs count (errs low)
     ],
 )
 def test_forced_run_is_the_longest_stretch_without_a_choice(pattern: str, run: int | None) -> None:
@@ -371,6 +376,41 @@ def test_process_exits_cleanly_with_abandoned_compiles_running() -> None:
         [sys.executable, "-c", EXIT_DURING_COMPILES], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr[-2000:]
+
+
+EXIT_WITH_A_QUEUE = """
+import time
+from constrained import ConstraintSpec, GrammarCompiler, TokenizerInfo
+from runtime.model_source import resolve_model
+from runtime.weights import load_tokenizer
+
+class Slow:
+    name = "slow"
+
+    def compile(self, spec):
+        time.sleep(1.0)
+        raise ValueError("never compiled")
+
+compiler = GrammarCompiler(TokenizerInfo.from_hf(load_tokenizer(resolve_model("smollm2-135m-instruct"))),
+                           max_workers=1, backend=Slow())
+futures = [compiler.submit(ConstraintSpec("regex", f"x{i}")) for i in range(6)]
+time.sleep(0.1)
+print("exiting", time.time(), flush=True)
+"""
+
+
+def test_exit_waits_for_running_compiles_only() -> None:
+    """Exit joins the compile threads, but queued compiles are not started any more: six queued 1 s compiles on
+    one worker cost ~1 s at exit, not 6."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", EXIT_WITH_A_QUEUE], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = float(done.stdout.split()[-1])
+    assert ended - printed < 3.5, f"exit took {ended - printed:.1f} s"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature")

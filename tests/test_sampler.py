@@ -428,13 +428,16 @@ def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mask_disallowed_equals_masked_fill(dtype: torch.dtype) -> None:
     """The bias-add masking (fast on CPU) gives exactly what ``masked_fill_(~allowed, -inf)`` gives, infinities
-    included."""
+    and nan included (an allowed nan stays nan, a disallowed one or a disallowed +inf reads -inf)."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(6, 1000, generator=gen) * 30).to(dtype)
-    x[0, :3] = torch.tensor([float("inf"), float("-inf"), 0.0], dtype=dtype)
-    x[1, :3] = torch.tensor([float("inf"), float("-inf"), 0.0], dtype=dtype)
+    special = torch.tensor([float("inf"), float("-inf"), 0.0, float("nan")], dtype=dtype)
+    x[0, :4] = special
+    x[1, :4] = special
     allowed = torch.rand(6, 1000, generator=gen) < 0.3
-    allowed[0, :3] = False
-    allowed[1, :3] = True
+    allowed[0, :4] = False
+    allowed[1, :4] = True
     want = x.masked_fill(~allowed, float("-inf"))
-    assert torch.equal(sampler_mod._mask_disallowed(x.clone(), allowed), want)
+    got = sampler_mod._mask_disallowed(x.clone(), allowed)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))

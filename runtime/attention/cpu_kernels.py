@@ -50,7 +50,9 @@ def _cpu_signature() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    # x86 names its features in "flags"; aarch64 in "Features", with the core in "CPU implementer" / "CPU part".
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU architecture")
+    lines = [ln for ln in text.splitlines() if ln.startswith(keys)]
     return "\n".join(sorted(set(lines)))
 
 

@@ -29,7 +29,8 @@ namespace {
 // e^x for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial of
 // degree 7 (truncation error < 1e-8, below float32 rounding), times 2^n by scalef (exact, underflows to 0).
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  // max returns its second operand when either is NaN: a NaN score stays NaN (and poisons the row, as in PyTorch).
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
@@ -186,7 +187,7 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
               "decode_attention: contiguous inputs");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(1);
-  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && H % Hkv == 0, "decode_attention: shapes disagree");
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "decode_attention: shapes disagree");
   TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "decode_attention: one slot row and length per query");
   const int64_t G = H / Hkv;
   auto out = torch::empty({B, H, D}, q.options());
