@@ -6,8 +6,10 @@ Nothing here touches the engine; workloads are plain token-id lists that any sys
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import random
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -259,3 +261,19 @@ def machine_summary() -> str:
         f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"python {platform.python_version()}"
     )
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600.0, what: str = "the server") -> None:
+    """Poll ``url``/health until it answers 200; raise if ``proc`` exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready within {timeout_s:.0f} s")
+        time.sleep(0.5)

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.common import CORPUS, format_table
+from bench.common import CORPUS, format_table, wait_until_healthy
 from runtime.config import DEFAULT_MODEL
 from server.router.config import RouterConfig, RoutingConfig
 from server.router.process import build_http_router
@@ -77,17 +77,8 @@ def replicas(args: argparse.Namespace) -> Iterator[list[str]]:
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
             urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for proc, url in zip(procs, urls):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"replica {url} exited with status {proc.returncode}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replica {url} did not become ready")
-                time.sleep(0.5)
+        for proc, url in zip(procs, urls):  # started together, so waiting in turn costs no extra time
+            wait_until_healthy(proc, url, START_TIMEOUT_S, what=f"replica {url}")
         yield urls
     finally:
         for proc in procs:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from bench.common import Request, format_table, machine_summary, make_workload
+from bench.common import Request, format_table, machine_summary, make_workload, wait_until_healthy
 from runtime.config import DEFAULT_MODEL
 from runtime.engine import Engine
 from runtime.sampling_params import SamplingParams
@@ -210,16 +210,7 @@ def serve(args: argparse.Namespace, engine: Engine) -> Iterator[Target]:
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with status {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become ready")
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, SERVER_START_TIMEOUT_S)
         yield Target(url, None, proc)
     finally:
         proc.terminate()

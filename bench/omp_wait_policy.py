@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from bench.common import format_table, machine_summary
+from bench.common import format_table, machine_summary, wait_until_healthy
 from runtime.config import DEFAULT_MODEL
 from server.testing import free_port
 
@@ -76,16 +76,7 @@ def run_server(policy: str, args: argparse.Namespace) -> list[float]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the {policy} server did not start")
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, what=f"the {policy} server")
         _one(url, 1, 8, [0, 0])  # warm-up
         rates = []
         for _ in range(args.repeats):

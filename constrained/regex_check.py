@@ -63,16 +63,24 @@ def _seq(items: Any, icase: bool) -> _Runs:
     return _Runs(fixed, prefix, run, longest)
 
 
+def _group_icase(av: Any, icase: bool) -> bool:
+    """Whether IGNORECASE holds inside a group ``(?i:...)`` / ``(?-i:...)`` (``av`` of a SUBPATTERN)."""
+    _group, add_flags, del_flags, _sub = av
+    return (icase or bool(add_flags & _c.SRE_FLAG_IGNORECASE)) and not del_flags & _c.SRE_FLAG_IGNORECASE
+
+
+def _is_choice(char: int, icase: bool) -> bool:
+    """Under IGNORECASE a cased letter is a choice between two characters."""
+    return icase and chr(char).lower() != chr(char).upper()
+
+
 def _item(op: Any, av: Any, icase: bool) -> _Runs:
     if op == _c.LITERAL:
-        # Under IGNORECASE a cased letter is a choice between two characters.
-        return _BREAK if icase and chr(av).lower() != chr(av).upper() else _Runs(1, 1, 1, 1)
+        return _BREAK if _is_choice(av, icase) else _Runs(1, 1, 1, 1)
     if op in _ZERO_WIDTH:
         return _Runs(0, 0, 0, 0)
     if op == _c.SUBPATTERN:
-        _group, add_flags, del_flags, sub = av
-        scoped = (icase or bool(add_flags & _c.SRE_FLAG_IGNORECASE)) and not del_flags & _c.SRE_FLAG_IGNORECASE
-        return _seq(sub, scoped)
+        return _seq(av[-1], _group_icase(av, icase))
     if op == getattr(_c, "ATOMIC_GROUP", None):
         return _seq(av, icase)
     if op in _REPEATS:
@@ -109,11 +117,9 @@ def _first_literal(items: Any, icase: bool) -> int | None:
         if op in _ZERO_WIDTH:
             continue
         if op == _c.LITERAL:
-            return None if icase and chr(av).lower() != chr(av).upper() else av
+            return None if _is_choice(av, icase) else av
         if op == _c.SUBPATTERN:
-            _group, add_flags, del_flags, sub = av
-            scoped = (icase or bool(add_flags & _c.SRE_FLAG_IGNORECASE)) and not del_flags & _c.SRE_FLAG_IGNORECASE
-            return _first_literal(sub, scoped)
+            return _first_literal(av[-1], _group_icase(av, icase))
         if op in _REPEATS and av[0] >= 1:
             return _first_literal(av[2], icase)
         return None

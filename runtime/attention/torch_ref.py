@@ -33,12 +33,13 @@ WORKSPACE_GROWTH = 1.25
 
 @dataclass
 class _DecodeLayout:
-    key_index: torch.Tensor  # [B * Hkv * L] rows of kv[0].view(-1, D): each row's keys, head by head, padded
-    bias: torch.Tensor  # [B * Hkv, 1, L] float32: 0 where a real token sits, -inf on padding
-    width: int  # L, the padded row length
-    slots: torch.Tensor  # [B, L] each row's slots, padded (the kernel's input)
+    slots: torch.Tensor  # [B, L] each row's slots, padded
     lens: torch.Tensor  # [B] int64, each row's real length
+    width: int  # L, the padded row length
     prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``_kv_rows`` of its prefix slots
+    # For the PyTorch path only (None when the compiled kernel attends):
+    key_index: torch.Tensor | None  # [B * Hkv * L] rows of kv[0].view(-1, D): each row's keys, head by head, padded
+    bias: torch.Tensor | None  # [B * Hkv, 1, L] float32: 0 where a real token sits, -inf on padding
     # Value rows per (row, head, query head) for ``embedding_bag``; made by the first layer (it needs G).
     value_index: torch.Tensor | None = None
     bag_offsets: torch.Tensor | None = None
@@ -71,15 +72,16 @@ class TorchReferenceBackend(AttentionBackend):
             assert meta.decode_slots is not None and meta.decode_mask is not None
             b, width = meta.decode_slots.shape
             real = meta.decode_mask.reshape(b, width)
-            pad = ~real
-            bias = torch.zeros(b, width, dtype=torch.float32, device=pad.device).masked_fill_(pad, float("-inf"))
-            n_kv = pool.num_kv_heads
-            bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
-            heads = torch.arange(n_kv, device=pad.device) * pool.num_slots
-            keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
             prefixes = tuple(_kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
-            lens = real.sum(dim=1)
-            decode = _DecodeLayout(keys, bias, width, meta.decode_slots, lens, prefixes)
+            keys = bias = None
+            pool_tensor = pool.kv[0]
+            if self._decode_kernel is None or pool_tensor.dtype != torch.float32 or pool_tensor.device.type != "cpu":
+                bias = torch.zeros(b, width, dtype=torch.float32, device=real.device).masked_fill_(~real, float("-inf"))
+                n_kv = pool.num_kv_heads
+                bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
+                heads = torch.arange(n_kv, device=real.device) * pool.num_slots
+                keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
+            decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
         extends = tuple(None if s.kv_slots is None else _kv_rows(s.kv_slots, pool) for s in meta.extends)
         return _StepState(decode, extends)
 
@@ -147,9 +149,9 @@ class TorchReferenceBackend(AttentionBackend):
         n_kv = kv.shape[1]
         g = h // n_kv
         qh = q.reshape(b * n_kv, g, d)
-        kernel = self._decode_kernel
-        if kernel is not None and q.dtype == torch.float32 and kv.device.type == "cpu":
-            out, lse = kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5)
+        if layout.key_index is None:  # ``prepare`` chose the compiled kernel for this step
+            assert self._decode_kernel is not None
+            out, lse = self._decode_kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5)
             if not groups:
                 return out
             # A normalized partial result is the unnormalized one with max = lse and denominator 1.
