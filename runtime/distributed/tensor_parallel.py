@@ -6,7 +6,8 @@ engine; it spawns its node's other ranks as worker processes. Every other node r
 group at ``--dist-init-addr``, loads the full checkpoint and keeps its shard; the leader then sizes the KV pool
 and sends ``("init", num_slots)``, and every rank allocates its shard of the pool (its KV heads).
 
-Workers exit on ``("stop",)``, when the leader's connection breaks, and (local ones) when their parent dies.
+Workers exit on ``("stop",)`` (at once, without finalizing the interpreter), when the leader's connection breaks,
+and (local ones) when their parent dies.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -168,7 +170,11 @@ def run_worker_node(config: EngineConfig) -> int:
     logger.info("node %d: tensor-parallel ranks %d-%d started", config.node_rank, first, first + layout.per_node - 1)
     for p in procs:
         p.join()
-    return max((p.exitcode or 0) for p in procs)
+    failed = [p for p in procs if p.exitcode]
+    for p in failed:  # a negative exit code is the signal that ended the rank
+        how = f"signal {-p.exitcode}" if p.exitcode < 0 else f"status {p.exitcode}"
+        logger.error("node %d: %s ended with %s", config.node_rank, p.name, how)
+    return 1 if failed else 0
 
 
 def _exit_with(parent_pid: int) -> None:
@@ -207,4 +213,10 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
                 gather_vocab(model.compute_logits(command[1].to(device)), args.vocab_size, groups.model, False)
             elif command[0] == "stop":
                 break
-    dist.destroy_process_group()
+    # Leave without tearing the process group down: the leader destroys its side as soon as "stop" is sent, and a
+    # gloo teardown racing with that once aborted a worker (std::terminate at exit), which its node reported as a
+    # failed exit. A worker owns nothing that outlives it; only the log streams need flushing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
