@@ -20,6 +20,11 @@ from constrained.spec import ConstraintSpec, GrammarError
 from constrained.tokenizer import TokenizerInfo
 
 
+def _serving_only(spec: ConstraintSpec, backend: str) -> None:
+    if spec.kind == "tool_or_answer":  # a chat-serving constraint; these backends are for measurement
+        raise GrammarError(f"{backend} does not build tool_or_answer grammars; use llguidance", kind="unsupported")
+
+
 class XGrammarMatcher:
     def __init__(self, info: TokenizerInfo, matcher: Any) -> None:
         self._info = info
@@ -91,6 +96,7 @@ class XGrammarBackend:
 
     def compile(self, spec: ConstraintSpec) -> XGrammarGrammar:
         spec.validate()
+        _serving_only(spec, "xgrammar")
         try:
             if spec.kind in ("json_schema", "json_object"):
                 schema = spec.value if spec.kind == "json_schema" else {"type": "object"}
@@ -190,6 +196,7 @@ class OutlinesCoreBackend:
         from outlines_core.json_schema import build_regex_from_schema
 
         spec.validate()
+        _serving_only(spec, "outlines-core")
         try:
             if spec.kind in ("json_schema", "json_object"):
                 schema = spec.value if spec.kind == "json_schema" else {"type": "object"}

@@ -28,15 +28,16 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Protocol
 
 import llguidance
 import torch
 
 from constrained import json_schema
-from constrained.spec import ConstraintSpec, GrammarError, pointer_join
+from constrained.spec import ConstraintSpec, GrammarError, pointer_join, tool_or_answer_parts
 from constrained.tokenizer import TokenizerInfo
+from constrained.tool_grammar import tool_or_answer_lark
 
 _SPEC_FORMATS = (
     "date-time",
@@ -229,6 +230,15 @@ class LLGuidanceBackend:
             return grammar
         if spec.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=self.json_options)
+        if spec.kind == "tool_or_answer":
+            rewrite = partial(json_schema.rewrite_schema, known_formats=llguidance_formats(), reshape=reshape)
+            lark = tool_or_answer_lark(spec.value, rewrite, self.json_options)
+            if len(lark) > MAX_GRAMMAR_CHARS:
+                raise GrammarError(f"the schemas expand to {len(lark)} characters", kind="too_complex")
+            try:
+                return llguidance.LLMatcher.grammar_from_lark(lark)
+            except ValueError as exc:
+                raise _error(spec, str(exc)) from None
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":
@@ -243,7 +253,8 @@ class LLGuidanceBackend:
 
     def compile(self, spec: ConstraintSpec) -> LLGuidanceGrammar:
         matcher = self._matcher(self.grammar_text(spec))
-        if matcher.is_error() and spec.kind == "json_schema" and _RECURSION.search(matcher.get_error()):
+        schemas = ("json_schema", "tool_or_answer")
+        if matcher.is_error() and spec.kind in schemas and _RECURSION.search(matcher.get_error()):
             # llguidance could not intersect through a recursive definition: retry with references reshaped.
             matcher = self._matcher(self.grammar_text(spec, reshape=True))
         if matcher.is_error():
@@ -316,12 +327,15 @@ def _error(spec: ConstraintSpec, message: str) -> GrammarError:
         return GrammarError(f"invalid regex: {message}")
     if spec.kind == "grammar":
         return GrammarError(f"invalid grammar: {message}")
-    if spec.kind != "json_schema":
+    if spec.kind not in ("json_schema", "tool_or_answer"):
         return GrammarError(message, kind="internal")
     if "regex parse error" in message or "invalid regex" in message:
-        found = _bad_pattern(spec.value)
-        if found:
-            return GrammarError.invalid_schema(found[0], f"pattern {found[1]!r} is not supported: {message}", "pattern")
+        parts = [("", spec.value)] if spec.kind == "json_schema" else tool_or_answer_parts(spec.value)
+        for prefix, schema in parts:
+            found = _bad_pattern(schema, prefix)
+            if found:
+                why = f"pattern {found[1]!r} is not supported: {message}"
+                return GrammarError.invalid_schema(found[0], why, "pattern")
     m = _UNIMPLEMENTED.search(message)
     if m:
         return GrammarError.unsupported(m.group(1), "", message)
@@ -330,9 +344,9 @@ def _error(spec: ConstraintSpec, message: str) -> GrammarError:
     return GrammarError(f"JSON schema cannot be compiled: {message}", kind=kind)
 
 
-def _bad_pattern(schema: Any) -> tuple[str, str] | None:
+def _bad_pattern(schema: Any, prefix: str = "") -> tuple[str, str] | None:
     """(pointer, pattern) of the first ``pattern`` / ``patternProperties`` regex llguidance rejects."""
-    stack: list[tuple[str, Any]] = [("", schema)]
+    stack: list[tuple[str, Any]] = [(prefix, schema)]
     while stack:
         ptr, node = stack.pop()
         if isinstance(node, dict):

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 from constrained.regex_check import regex_problem, schema_pattern_problem
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_or_answer"]
 ErrorKind = Literal["invalid", "unsupported", "timeout", "too_complex", "internal"]
 
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
@@ -91,6 +91,41 @@ def _parse_schema(value: Any) -> dict[str, Any] | bool:
     return value
 
 
+# The Hermes / Qwen tool-call format, the default wrapping of a call in ``tool_or_answer``.
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+_TOOL_OR_ANSWER_FIELDS = {"call", "answer", "parallel", "open", "close"}
+
+
+def _parse_tool_or_answer(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) - _TOOL_OR_ANSWER_FIELDS or "call" not in value:
+        raise GrammarError(
+            'tool_or_answer must be {"call": <schema>, "answer": <schema or null>, "parallel": <bool>, '
+            '"open": <tag>, "close": <tag>}'
+        )
+    answer = value.get("answer")
+    parsed = {
+        "call": _parse_schema(value["call"]),
+        "answer": None if answer is None else _parse_schema(answer),
+        "parallel": bool(value.get("parallel", False)),
+        "open": value.get("open", TOOL_CALL_TAGS[0]),
+        "close": value.get("close", TOOL_CALL_TAGS[1]),
+    }
+    if not isinstance(parsed["open"], str) or not parsed["open"] or not isinstance(parsed["close"], str):
+        raise GrammarError("tool_or_answer's open tag must be a non-empty string and its close tag a string")
+    try:  # rejects values JSON cannot carry, as for json_schema
+        canonical_json(parsed)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise GrammarError(f"tool_or_answer is not a JSON value: {exc}") from None
+    return parsed
+
+
+def tool_or_answer_parts(value: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bool]]:
+    """The schemas of a ``tool_or_answer`` value as ``(JSON pointer prefix, schema)``; errors inside one are
+    reported under its prefix (``/call`` or ``/answer``)."""
+    parts: list[tuple[str, dict[str, Any] | bool]] = [("/call", value["call"])]
+    return parts + [("/answer", value["answer"])] if value["answer"] is not None else parts
+
+
 @dataclass(frozen=True)
 class ConstraintSpec:
     """One constraint: ``kind`` and its ``value``.
@@ -99,7 +134,12 @@ class ConstraintSpec:
     * ``json_object``: any JSON object; ``value`` is ignored (use None);
     * ``regex``: the pattern text (Rust ``regex`` syntax, matched against the whole output);
     * ``choice``: a non-empty sequence of non-empty strings; the output is exactly one of them;
-    * ``grammar``: a context-free grammar in Lark syntax (llguidance dialect) or GBNF/EBNF.
+    * ``grammar``: a context-free grammar in Lark syntax (llguidance dialect) or GBNF/EBNF;
+    * ``tool_or_answer``: ``{"call": <schema of one call object>, "answer": <schema, or None for any JSON object>,
+      "parallel": <bool>, "open": <tag>, "close": <tag>}``; the output is either an answer (compact JSON) or tool
+      calls, each written ``<open>{call}<close>`` (one, or with ``parallel`` one or more separated by newlines;
+      the tags default to ``TOOL_CALL_TAGS``). It is what a chat request with tools, ``tool_choice`` "auto" and a
+      ``response_format`` means: the model may call a tool or answer in the requested format.
     """
 
     kind: ConstraintKind
@@ -116,6 +156,9 @@ class ConstraintSpec:
                 raise GrammarError(f"json_schema is not a JSON value: {exc}") from None
         elif self.kind == "choice" and isinstance(self.value, Sequence) and not isinstance(self.value, str):
             object.__setattr__(self, "value", tuple(self.value))
+        elif self.kind == "tool_or_answer":
+            object.__setattr__(self, "value", _parse_tool_or_answer(self.value))
+            object.__setattr__(self, "key", f"tool_or_answer:{canonical_json(self.value)}")
 
     def validate(self) -> None:
         """Raise ``GrammarError`` when ``value`` does not have the shape ``kind`` needs (no compilation)."""
@@ -135,6 +178,9 @@ class ConstraintSpec:
             problem = regex_problem(self.value)
         elif self.kind == "json_schema":
             problem = schema_pattern_problem(self.value)
+        elif self.kind == "tool_or_answer":
+            parts = tool_or_answer_parts(self.value)
+            problem = next(filter(None, (schema_pattern_problem(s, at) for at, s in parts)), None)
         else:
             problem = None
         if problem is not None:
@@ -143,7 +189,7 @@ class ConstraintSpec:
     @cached_property
     def key(self) -> str:
         """Canonical text of this spec, the compiled-grammar cache key."""
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "tool_or_answer"):
             body = canonical_json(self.value)
         elif self.kind == "json_object":
             body = ""

@@ -3,8 +3,9 @@
 Tool calls: with ``tool_choice`` "auto" (or absent) they are parsed from the answer's text
 (``server.tool_parser``); with "required" or a named function the output is constrained to the call's JSON
 (``server.tool_calls``), so the message is always ``tool_calls`` (content null, finish_reason "tool_calls",
-or "length" when max_tokens cut it). ``response_format`` and the constraint fields are enforced by a grammar
-(``server.constraints``), compiled before the request is submitted.
+or "length" when max_tokens cut it). "auto" with a ``response_format`` constrains the output to either tool-call
+blocks or the formatted answer, and parses it as "auto" does. ``response_format`` and the constraint fields are
+enforced by a grammar (``server.constraints``), compiled before the request is submitted.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from server.protocol import ChatCompletionRequest
 from server.state import ServerState
 from server.streaming import DONE, SSEResponse, stream_chunk
 from server.tokens import encode
-from server.tool_calls import ToolCallScanner, forced_tool_constraint
+from server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
 from server.tool_parser import ToolCallStream, parse_tool_calls
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
@@ -64,7 +65,10 @@ def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None
     if tool is not None:
         # As in OpenAI's API, response_format governs a content answer only, and a forced call never gives one.
         fmt = None
-    constraint = at_most_one([*body_constraints(req), fmt, tool])
+    union = tool_or_answer_constraint(req, fmt)
+    if union is not None:  # "auto" with a format: a call is still possible, so the answer's format joins it
+        fmt = None
+    constraint = at_most_one([*body_constraints(req), fmt, tool, union])
     return constraint, tool is not None
 
 

@@ -1,4 +1,4 @@
-"""Forced tool calls: chat ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``.
+"""Constrained tool calls: chat ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``.
 
 The output is constrained by a JSON schema to compact JSON: one call object ``{"name": <tool name>, "arguments":
 <an instance of that tool's parameters schema>}`` ("required" with several tools: ``anyOf`` over them), so the
@@ -6,6 +6,11 @@ arguments always validate against the tool's ``parameters``. With ``parallel_too
 non-empty array of such objects instead. Absent (or false) means exactly one call: OpenAI's default is parallel,
 but a forced open-ended array lets a small model repeat calls until max_tokens, and one call is what forcing a
 tool promises; a client that wants several calls in one turn says so.
+
+Tools with ``tool_choice`` "auto" (or absent) and a ``response_format``, the usual agent turn (tools plus a typed
+final output), get a ``tool_or_answer`` constraint instead: the output is either the formatted answer or
+``<tool_call>{call}</tool_call>`` blocks (one, or several with ``parallel_tool_calls: true``) whose calls follow
+the same per-tool schemas; the tool parser reads the calls back as for unconstrained "auto".
 
 ``ToolCallScanner`` reads that JSON as it streams and turns it into OpenAI tool-call deltas: per call, first
 ``{index, id, type, function: {name, arguments: ""}}``, then ``{index, function: {arguments: <fragment>}}``.
@@ -26,6 +31,7 @@ from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.tool_parser import ParsedToolCall, new_call_id
 
+Subs = tuple[tuple[str, str], ...]
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -38,19 +44,47 @@ def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]
     }
 
 
+def _tool_names(req: ChatCompletionRequest) -> list[str]:
+    names = [t.function.name for t in req.tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad_request(f"two tools are named {name!r}; tool names must be unique", f"tools[{i}].function.name")
+    return names
+
+
+def _calls_schema(req: ChatCompletionRequest, names: list[str], selected: list[int], base: str) -> tuple[Any, Subs]:
+    """The schema of one call to any of the ``selected`` tools, and where each tool's parameters sit in it (as
+    ``RequestConstraint.sub_params`` pairs, under the pointer ``base`` of this schema in the whole constraint)."""
+    tools = req.tools or []
+    calls = [_call_schema(names[i], tools[i].function.parameters) for i in selected]
+    branch = [base + (f"/anyOf/{k}" if len(calls) > 1 else "") for k in range(len(calls))]
+    subs = tuple((f"{b}/properties/arguments", f"tools[{i}].function.parameters") for b, i in zip(branch, selected))
+    return (calls[0] if len(calls) == 1 else {"anyOf": calls}), subs
+
+
+def tool_or_answer_constraint(req: ChatCompletionRequest, fmt: RequestConstraint | None) -> RequestConstraint | None:
+    """With tools, ``tool_choice`` "auto" (or absent) and a ``response_format``: the output may be tool calls or
+    the formatted answer (``constrained.tool_grammar``), so an agent with tools and a typed output keeps both.
+    None otherwise (no tools, no format, or a tool_choice that decides it)."""
+    if fmt is None or not req.tools or req.tool_choice not in (None, "auto"):
+        return None
+    names = _tool_names(req)
+    call, subs = _calls_schema(req, names, list(range(len(names))), "/call")
+    answer = fmt.spec.value if fmt.spec.kind == "json_schema" else None
+    value = {"call": call, "answer": answer, "parallel": bool(req.parallel_tool_calls)}
+    constraint = make_constraint("tool_or_answer", value, "tools")
+    return RequestConstraint(constraint.spec, constraint.param, (*subs, ("/answer", "response_format")))
+
+
 def forced_tool_constraint(req: ChatCompletionRequest) -> RequestConstraint | None:
     """The constraint that enforces ``req.tool_choice``, or None when it is absent, "none" or "auto"."""
     choice = req.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
-    tools = req.tools or []
-    if not tools:
+    if not req.tools:
         raise bad_request("tool_choice needs tools: give the tools the model may call", "tool_choice")
-    names = [t.function.name for t in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise bad_request(f"two tools are named {name!r}; tool names must be unique", f"tools[{i}].function.name")
-    selected = list(range(len(tools)))
+    names = _tool_names(req)
+    selected = list(range(len(names)))
     if isinstance(choice, NamedToolChoice):
         name = choice.function.get("name")
         if not isinstance(name, str) or not name:
@@ -61,16 +95,11 @@ def forced_tool_constraint(req: ChatCompletionRequest) -> RequestConstraint | No
                 "tool_choice",
             )
         selected = [names.index(name)]
-    calls = [_call_schema(names[i], tools[i].function.parameters) for i in selected]
-    schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    base = ""
+    base = "/items" if req.parallel_tool_calls else ""
+    schema, subs = _calls_schema(req, names, selected, base)
     if req.parallel_tool_calls:
-        schema, base = {"type": "array", "items": schema, "minItems": 1}, "/items"
+        schema = {"type": "array", "items": schema, "minItems": 1}
     constraint = make_constraint("json_schema", schema, "tools")
-    branch = [base + (f"/anyOf/{k}" if len(calls) > 1 else "") for k in range(len(calls))]
-    subs = tuple(
-        (f"{b}/properties/arguments", f"tools[{i}].function.parameters") for b, i in zip(branch, selected)
-    )
     return RequestConstraint(constraint.spec, constraint.param, subs)
 
 

@@ -11,7 +11,7 @@ from constrained import GrammarError
 from server.constraints import RequestConstraint, at_most_one, make_constraint, response_format_constraint
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ResponseFormat
-from server.tool_calls import ToolCallScanner, forced_tool_constraint
+from server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
 
 USER = [{"role": "user", "content": "hi"}]
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -19,6 +19,9 @@ TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": ADD}},
     {"type": "function", "function": {"name": "now"}},
 ]
+
+
+JSON_OBJECT = ResponseFormat(type="json_object")
 
 
 def _request(**kw: object) -> ChatCompletionRequest:
@@ -54,6 +57,38 @@ def test_schema_errors_point_into_the_tool() -> None:
     assert (other.param, other.code) == ("tools", "constraint_timeout")
     internal = parallel.error(GrammarError("boom", kind="internal"))
     assert internal.status == 500
+
+
+def test_auto_with_a_response_format_allows_calls_or_the_answer() -> None:
+    answer = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    fmt = response_format_constraint(ResponseFormat(type="json_schema", json_schema={"name": "a", "schema": answer}))
+    union = tool_or_answer_constraint(_request(), fmt)
+    assert union is not None and union.spec.kind == "tool_or_answer" and union.param == "tools"
+    value = union.spec.value
+    assert value["answer"] == answer and value["parallel"] is False
+    jsonschema.validate({"name": "add", "arguments": {"a": 1}}, value["call"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "add", "arguments": {}}, value["call"])
+    objects = tool_or_answer_constraint(_request(parallel_tool_calls=True), response_format_constraint(JSON_OBJECT))
+    assert objects is not None and objects.spec.value["answer"] is None and objects.spec.value["parallel"] is True
+    # A decided tool_choice, no tools or no format: no union.
+    for req, f in [
+        (_request(tool_choice="none"), fmt),
+        (_request(tool_choice="required"), fmt),
+        (ChatCompletionRequest.model_validate({"messages": USER}), fmt),
+        (_request(), None),
+    ]:
+        assert tool_or_answer_constraint(req, f) is None
+    # Errors land on the tool or on response_format.
+    err = union.error(GrammarError.unsupported("contains", "/call/anyOf/0/properties/arguments/properties/a", "w"))
+    assert err.param == "tools[0].function.parameters" and "at /properties/a:" in err.message
+    err = union.error(GrammarError.invalid_schema("/answer/properties/x", "bad"))
+    assert err.param == "response_format" and "at /properties/x:" in err.message
+    with pytest.raises(APIError) as info:
+        tool_or_answer_constraint(
+            ChatCompletionRequest.model_validate({"messages": USER, "tools": [TOOLS[1], TOOLS[1]]}), fmt
+        )
+    assert info.value.param == "tools[1].function.name"
 
 
 def test_one_constraint_per_request() -> None:
