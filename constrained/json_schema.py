@@ -25,6 +25,7 @@ from constrained.schema_logic import SchemaAlgebra
 from constrained.schema_passes import (
     as_draft_2020,
     drop_implied_types,
+    fit_number_bounds,
     inline_referenced_siblings,
     materialize_all_of,
     place_refs,
@@ -321,6 +322,9 @@ def _check_value(key: str, value: Any, ptr: str) -> None:
 def rewrite_schema(schema: Any, known_formats: frozenset[str], *, reshape: bool = False) -> Schema:
     """The backend-ready equivalent of ``schema``; raises ``GrammarError`` when none exists.
 
+    Equivalent except for numbers past +-2**53 next to a bound, which the backend cannot represent: those bounds
+    move inward (``fit_number_bounds``), so outputs still satisfy ``schema``.
+
     ``reshape`` also restructures references and conjunctions (inline targets, precompute intersections) so the
     backend can follow recursive definitions it otherwise refuses; the accepted instances are the same, but the
     order in which the backend emits declared properties may change, so it is the fallback, not the default.
@@ -334,6 +338,7 @@ def rewrite_schema(schema: Any, known_formats: frozenset[str], *, reshape: bool 
                 drop_implied_types(rw, out)
                 inline_referenced_siblings(rw, out)
                 materialize_all_of(rw, out)
+        fit_number_bounds(out)
     except RecursionError:
         raise GrammarError("the schema nests too deeply to be compiled", kind="too_complex") from None
     return out

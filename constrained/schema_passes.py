@@ -1,12 +1,15 @@
-"""Whole-document passes after rewriting: place referenced definitions, and shape references so the backend can
-follow recursive definitions (it cannot intersect a schema with a reference that is still being defined).
+"""Whole-document passes after rewriting: place referenced definitions, shape references so the backend can
+follow recursive definitions (it cannot intersect a schema with a reference that is still being defined), and fit
+numeric bounds to what the backend can hold.
 
-All passes keep the accepted instance set; ``as_draft_2020`` respells a result for standard validators.
+Every pass but ``fit_number_bounds`` keeps the accepted instance set; that one only removes values (huge numbers
+next to a bound), never adds any. ``as_draft_2020`` respells a result for standard validators.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from typing import TYPE_CHECKING, Any
 
 from constrained import schema_refs as refs
@@ -19,6 +22,7 @@ from constrained.schema_types import (
     SCHEMA_ONE,
     Schema,
     declared_atoms,
+    is_number,
 )
 from constrained.spec import GrammarError, canonical_json, pointer_join
 
@@ -173,6 +177,39 @@ def materialize_all_of(rw: Rewriter, out: Schema) -> None:
                 changed = True
         if not changed:
             return
+
+
+# The backend reads numbers as doubles and builds its number lexers on 64-bit integers: an integer bound past 2**53
+# is rounded to the nearest double, possibly outward (``maximum: 9007199254740995`` admitted 9007199254740996), and
+# a bound past about 9.2e18 (``minimum: -2**63``, the usual int64 range) does not compile at all.
+EXACT_INTEGERS = 2**53
+BOUND_LIMIT = 9 * 10**18  # a double, and inside what the backend compiles (+-2**63 is not)
+_BOUNDS = (("minimum", True), ("exclusiveMinimum", True), ("maximum", False), ("exclusiveMaximum", False))
+
+
+def fit_number_bounds(out: Schema) -> None:
+    """Move every numeric bound the backend cannot hold exactly inward, to the nearest value it can: a double, and
+    within +-9e18. Values between the old and the new bound are given up (for an int64 range, the outermost
+    2.4% on each side); no value the user's bound excludes is ever admitted. A lower bound already above 9e18
+    (or an upper one below -9e18) has no inward value the backend holds and is left for it to refuse."""
+    for node in schema_nodes(out):
+        for key, lower in _BOUNDS:
+            value = node.get(key)
+            if is_number(value) and abs(value) > EXACT_INTEGERS:
+                node[key] = _inward(value, lower)
+
+
+def _inward(value: int | float, lower: bool) -> int | float:
+    if lower and value < -BOUND_LIMIT:
+        return -BOUND_LIMIT
+    if not lower and value > BOUND_LIMIT:
+        return BOUND_LIMIT
+    if abs(value) > BOUND_LIMIT or isinstance(value, float):
+        return value  # a double already (or past the limit on the far side: the backend refuses it clearly)
+    rounded = float(value)
+    if (rounded < value) if lower else (rounded > value):
+        rounded = math.nextafter(rounded, math.inf if lower else -math.inf)
+    return int(rounded)
 
 
 def schema_nodes(root: Schema) -> list[dict[str, Any]]:

@@ -32,8 +32,8 @@ def property_names(rw: Rewriter, out: dict[str, Any], ptr: str) -> None:
         if not (isinstance(names, dict) and set(names) == {"$ref"}):
             break
         names = rw.resolve(names["$ref"])
-    if names is True or names == {}:
-        return
+    if names is True or names == {} or names in ({"type": "string"}, {"type": ["string"]}):
+        return  # every property name is a string
     patterns = out.get("patternProperties", {})
     if any(p not in MATCH_ALL for p in patterns) or not isinstance(names, dict):
         raise GrammarError.unsupported("propertyNames", kp, "only supported beside match-all patternProperties")
@@ -43,12 +43,18 @@ def property_names(rw: Rewriter, out: dict[str, Any], ptr: str) -> None:
     allowed = set(names) - {"type", "enum", "pattern"}
     if allowed or names.get("type", "string") not in ("string", ["string"]):
         raise GrammarError.unsupported("propertyNames", kp, "only 'enum' or 'pattern' name constraints are supported")
-    if "enum" in names and "pattern" not in names:
+    if "enum" in names:
         keys = [k for k in names["enum"] if isinstance(k, str)]
+        if "pattern" in names:  # a name must be listed and match: keep the listed names that match
+            hits = {k: name_matches(names["pattern"], k) for k in keys}
+            if None in hits.values():
+                why = "cannot decide which names of its 'enum' its 'pattern' allows"
+                raise GrammarError.unsupported("propertyNames", kp, why)
+            keys = [k for k in keys if hits[k]]
         undeclared = True if every else rest  # match-all patterns leave additionalProperties nothing to apply to
         out["properties"] = {k: all_of([props.get(k, undeclared), *every]) for k in keys}
         out.pop("patternProperties", None)  # folded into the listed names
-    elif "pattern" in names and "enum" not in names:
+    else:
         hits = {k: name_matches(names["pattern"], k) for k in props}
         if None in hits.values():
             raise GrammarError.unsupported(
@@ -59,8 +65,6 @@ def property_names(rw: Rewriter, out: dict[str, Any], ptr: str) -> None:
             raise GrammarError.unsupported("propertyNames", kp, why)
         out["properties"] = {k: (v if hits[k] else False) for k, v in props.items()}
         out["patternProperties"] = {names["pattern"]: all_of(every) if every else rest}
-    else:
-        raise GrammarError.unsupported("propertyNames", kp, "'enum' together with 'pattern' is not supported")
     out["additionalProperties"] = False
 
 

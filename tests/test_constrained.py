@@ -275,6 +275,21 @@ def test_forced_run_is_the_longest_stretch_without_a_choice(pattern: str, run: i
     assert forced_run(pattern) == run
 
 
+def test_huge_number_bounds_compile_and_never_admit_more(compiler, info) -> None:
+    """int64 ranges compiled only once their bounds moved inward; a bound between two doubles was rounded outward
+    by the backend (9007199254740996 passed ``maximum: 9007199254740995``)."""
+
+    def accepts(spec: ConstraintSpec, text: str) -> bool:
+        matcher = compiler.compile(spec).new_matcher()
+        return all(matcher.accept_token(t) for t in encode(info, text)) and matcher.can_terminate()
+
+    int64 = ConstraintSpec("json_schema", {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1})
+    assert accepts(int64, "0") and accepts(int64, "-9000000000000000000") and accepts(int64, "123456789012")
+    assert not accepts(int64, "9223372036854775808") and not accepts(int64, "-9223372036854775809")
+    odd = ConstraintSpec("json_schema", {"type": "integer", "maximum": 2**53 + 3})
+    assert accepts(odd, str(2**53 + 2)) and not accepts(odd, str(2**53 + 4))
+
+
 def test_large_but_unforced_repetitions_stay_accepted(compiler) -> None:
     for pattern in ("[a-z]{0,100000}", "(ab|cd){20000}", "(a{600}){0,600}", "x{30000}"):
         assert compiler.compile(ConstraintSpec("regex", pattern)) is not None

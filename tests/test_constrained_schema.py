@@ -142,6 +142,11 @@ def test_property_names() -> None:
     assert_exact({"propertyNames": {"enum": ["a", "b"]}, "additionalProperties": {"type": "integer"}})
     assert_exact({"propertyNames": {"pattern": "^[ab]$"}, "properties": {"c": {}}}, [{"c": 1}])
     assert_exact({"propertyNames": {"pattern": "^[a-z]+$"}, "patternProperties": {".*": {"type": "integer"}}})
+    names = {"enum": ["a", "b", "cc"], "pattern": "^[a-z]$"}
+    both = {"propertyNames": names, "additionalProperties": {"type": "integer"}}
+    assert set(assert_exact(both, [{"cc": 1}, {"b": 1, "cc": 2}])["properties"]) == {"a", "b"}
+    strings = {"propertyNames": {"type": "string"}, "patternProperties": {"^x": {"type": "integer"}}}
+    assert "propertyNames" not in assert_exact(strings, [{"x1": 1}, {"x1": "s"}, {"y": None}])
 
 
 def test_annotations_and_unknown_formats_are_not_constraints() -> None:
@@ -209,6 +214,21 @@ def test_pathological_nesting_is_refused_cleanly() -> None:
     for _ in range(5000):
         deep = {"items": deep}
     assert refused(deep).kind == "too_complex"
+
+
+def test_number_bounds_the_backend_cannot_hold_move_inward() -> None:
+    """The backend reads bounds as doubles and cannot compile +-2**63: such bounds narrow, never widen."""
+    int64 = rewrite_schema({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, FORMATS)
+    assert int64 == {"type": "integer", "minimum": -9 * 10**18, "maximum": 9 * 10**18}
+    odd = 2**53 + 3  # between the doubles 2**53 + 2 and 2**53 + 4
+    out = rewrite_schema({"type": "integer", "maximum": odd, "exclusiveMinimum": -odd}, FORMATS)
+    assert (out["maximum"], out["exclusiveMinimum"]) == (odd - 1, -(odd - 1))
+    nested = rewrite_schema({"properties": {"n": {"anyOf": [{"exclusiveMaximum": 1e30}, {"type": "string"}]}}}, FORMATS)
+    assert nested["properties"]["n"]["anyOf"][0]["exclusiveMaximum"] == 9 * 10**18
+    for exact in ({"type": "integer", "minimum": -(2**53), "maximum": 2**53}, {"type": "number", "maximum": 4.5e18}):
+        assert rewrite_schema(exact, FORMATS) == exact
+    far = {"type": "integer", "minimum": 10**30}  # nothing inward to move to: left for the backend to refuse
+    assert rewrite_schema(far, FORMATS) == far
 
 
 def test_spec_key_is_canonical() -> None:
