@@ -224,7 +224,10 @@ class LLGuidanceBackend:
         spec.validate()
         if spec.kind == "json_schema":
             prepared = json_schema.rewrite_schema(spec.value, llguidance_formats(), reshape=reshape)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
+            except ValueError as exc:  # e.g. "Value is not JSON serializable" for a bound past 2**64
+                raise _error(spec, str(exc)) from None
             if len(grammar) > MAX_GRAMMAR_CHARS:
                 raise GrammarError(f"the schema expands to {len(grammar)} characters", kind="too_complex")
             return grammar
@@ -340,6 +343,7 @@ def _error(spec: ConstraintSpec, message: str) -> GrammarError:
     if m:
         return GrammarError.unsupported(m.group(1), "", message)
     too_big = ("too large", "stack level", "circular references", "Failed to generate", "too complex")
+    too_big += ("not JSON serializable",)  # a number past 64 bits
     kind = "too_complex" if any(s in message for s in too_big) else "invalid"
     return GrammarError(f"JSON schema cannot be compiled: {message}", kind=kind)
 

@@ -23,6 +23,7 @@ from typing import Any
 from constrained import schema_refs as refs
 from constrained.schema_logic import SchemaAlgebra
 from constrained.schema_passes import (
+    EXACT_INTEGERS,
     as_draft_2020,
     drop_implied_types,
     fit_number_bounds,
@@ -125,6 +126,9 @@ class Rewriter:
                 continue
             kp = pointer_join(ptr, key)
             _check_value(key, value, kp)
+            if key in ("enum", "const") and (inexact := _inexact_integer(value)) is not None:
+                why = f"the integer {inexact} cannot be written exactly (the grammar backend holds numbers as doubles)"
+                raise GrammarError.unsupported(key, kp, why)
             if key == "patternProperties":
                 out[key] = {_pattern(k): self.at(pointer_join(kp, k), v) for k, v in value.items()}
             elif key in SCHEMA_MAPS:
@@ -290,6 +294,22 @@ def _pattern(pattern: str) -> str:
 
 def _kind(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+def _inexact_integer(value: Any) -> int | None:
+    """The first integer inside the JSON value ``value`` that llguidance would write as another number: past 2**53
+    and not a double (it writes the nearest double), or past 2**63 (it cannot hold it at all)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool):
+            if abs(v) > EXACT_INTEGERS and not (abs(v) < 2**63 and float(v) == v):
+                return v
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return None
 
 
 def _check_value(key: str, value: Any, ptr: str) -> None:

@@ -288,6 +288,15 @@ def test_huge_number_bounds_compile_and_never_admit_more(compiler, info) -> None
     assert not accepts(int64, "9223372036854775808") and not accepts(int64, "-9223372036854775809")
     odd = ConstraintSpec("json_schema", {"type": "integer", "maximum": 2**53 + 3})
     assert accepts(odd, str(2**53 + 2)) and not accepts(odd, str(2**53 + 4))
+    # Values llguidance would write as another number are refused (it forced [1,36028797018963968] for this
+    # const); numbers past 64 bits are a client error, not an internal one.
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(ConstraintSpec("json_schema", {"properties": {"a": {"const": [1, 2**55 + 1]}}}))
+    assert (err.value.kind, err.value.keyword, err.value.pointer) == ("unsupported", "const", "/properties/a/const")
+    assert accepts(ConstraintSpec("json_schema", {"enum": [2**60, 1]}), str(2**60))  # a double: written exactly
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(ConstraintSpec("json_schema", {"type": "integer", "minimum": 10**30}))
+    assert err.value.kind == "too_complex"
 
 
 def test_large_but_unforced_repetitions_stay_accepted(compiler) -> None:

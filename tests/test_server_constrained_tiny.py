@@ -91,6 +91,9 @@ def test_constrained_params_served(http: httpx.Client, path: str, extra: dict, c
         ("/v1/completions", {"ebnf": "start: start"}, "ebnf", "invalid_constraint"),
         ("/v1/completions", {"json_schema": {"$ref": "#"}}, "json_schema", "invalid_constraint"),
         ("/generate", {"sampling_params": {"regex": "(a{1000}){1000}"}}, "sampling_params.regex", "constraint_too"),
+        # Numbers the grammar backend cannot hold: once an internal error (500), and a wrongly forced value.
+        ("/v1/completions", {"json_schema": {"type": "integer", "minimum": 10**30}}, "json_schema", "constraint_too"),
+        ("/v1/completions", {"json_schema": {"const": 2**55 + 1}}, "json_schema", "unsupported_constraint"),
     ],
 )
 def test_constraint_errors(http: httpx.Client, path: str, extra: dict, param: str | None, code: Any) -> None:
