@@ -331,6 +331,8 @@ def _check_value(key: str, value: Any, ptr: str) -> None:
         bad = f"{key} must be a non-negative integer, got {value!r}"
     elif key in _NUMBERS and (isinstance(value, bool) or not isinstance(value, int | float)):
         bad = f"{key} must be a number, got {value!r}"
+    elif key == "multipleOf" and value <= 0:
+        bad = f"multipleOf must be greater than 0, got {value!r}"
     elif key in ("$ref", "pattern", "format") and not isinstance(value, str):
         bad = f"{key} must be a string"
     elif key == "dependencies" and not isinstance(value, dict):

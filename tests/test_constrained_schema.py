@@ -185,6 +185,7 @@ def test_invalid_schemas_are_refused_with_their_pointer() -> None:
     assert err.kind == "invalid" and err.pointer == "/properties/a/type"
     assert refused({"required": "a"}).pointer == "/required"
     assert refused({"minLength": -1}).pointer == "/minLength"
+    assert refused({"properties": {"n": {"multipleOf": -2}}}).pointer == "/properties/n/multipleOf"
     assert refused({"allOf": []}).pointer == "/allOf"
     assert refused({"$ref": "#/definitions/missing"}).keyword == "$ref"
     with pytest.raises(GrammarError):
