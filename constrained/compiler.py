@@ -5,21 +5,31 @@ be interrupted. Its own limits (``LLParserLimits``: lexer fuel, grammar size, le
 the work of any one compilation, so no compile runs forever. On top of that, the timeout is enforced here without
 waiting for the compile: at the deadline the caller's future fails with ``GrammarError(kind="timeout")`` and the
 worker slot is handed to the next job at once; the abandoned compile finishes in the background and its result is
-dropped. Running plus abandoned compiles never exceed ``max_workers + max_abandoned`` threads; past that new jobs
-wait, so a flood of pathological schemas cannot spawn unbounded threads. A process pool would make compiles
-killable, but a compiled llguidance grammar cannot cross a process boundary, so the work would be done twice.
+dropped. Running plus abandoned compiles never exceed ``max_workers + slow_workers + max_abandoned`` threads;
+past that new jobs wait, so a flood of pathological schemas cannot spawn unbounded threads. A process pool would
+make compiles killable, but a compiled llguidance grammar cannot cross a process boundary, so the work would be
+done twice.
 Each compile runs on a thread of its own; one still running ``demote_after_s`` (10 ms) after it started is demoted
 (Linux): ``nice`` is added to its niceness and it moves to ``SCHED_IDLE``, so pathological and abandoned compiles
 use only the CPU that decoding leaves; it keeps its worker slot (handing it on let more compiles start, each at
 normal priority for its first 10 ms: a burst then slowed decoding by 18% instead of 3%). Ordinary compiles (a few
 ms) stay at normal priority and fast under load.
 
+Two lanes, so that a new ordinary grammar does not wait behind a queue of expensive ones: every job first runs in
+the fast lane (``max_workers`` slots). When others queue behind it (``screen=None``, the default; True / False:
+always / never), the backend's ``screen`` first tries it on a tenth of the lexer budget: ordinary grammars pass and
+are compiled there and then (the screening doubles their compile time, which is why it waits for a queue), and one
+that runs out of that budget (~15 ms for a pathological regex that takes ~120 ms in full) moves to the slow lane
+(``slow_workers`` slots, its own queue) for a compile on the full budget. Before, 24 such regexes queued ahead of
+an ordinary schema held it back until all of them were compiled.
+
 Invariants:
   * one compile per key at a time: concurrent submits of the same spec share it (each gets its own future);
   * the cache holds compiled grammars and deterministic errors (invalid / unsupported: resubmitting fails fast);
     timeouts are remembered for ``error_ttl_s`` only, since a busy machine may be the cause;
-  * at most ``max_workers`` compiles count as running; the timeout clock starts when a compile starts, not while
-    it waits in the queue (the engine bounds queueing through its own request limits);
+  * at most ``max_workers`` fast-lane and ``slow_workers`` slow-lane compiles run; the timeout clock starts when a
+    compile starts in a lane, not while it waits in a queue (the engine bounds queueing through its own request
+    limits);
   * futures are completed outside the lock, so callbacks may call ``submit`` again.
 """
 
@@ -54,6 +64,8 @@ class _Job:
     demote_at: float = 0.0
     tid: int | None = None  # the native id of the thread compiling it, once it runs
     demoted: bool = False
+    slow: bool = False  # failed the backend's screening: compiled in the slow lane
+    screen: bool = False  # screen it before compiling (decided when it starts in the fast lane)
 
 
 @dataclass
@@ -63,6 +75,7 @@ class CompilerStats:
     compiled: int = 0
     errors: int = 0
     timeouts: int = 0
+    slow_lane: int = 0  # jobs the screening sent to the slow lane
     compile_seconds: float = 0.0
 
 
@@ -81,11 +94,15 @@ class GrammarCompiler:
         error_ttl_s: float = 60.0,
         nice: int = 0,
         demote_after_s: float = 0.01,
+        slow_workers: int = 1,
+        screen: bool | None = None,
     ) -> None:
-        if max_workers < 1 or cache_size < 1 or timeout_s <= 0:
-            raise ValueError("max_workers and cache_size must be >= 1 and timeout_s > 0")
+        if max_workers < 1 or slow_workers < 1 or cache_size < 1 or timeout_s <= 0:
+            raise ValueError("max_workers, slow_workers and cache_size must be >= 1 and timeout_s > 0")
         self.backend: GrammarBackend = backend or LLGuidanceBackend(tokenizer_info)
         self.max_workers = max_workers
+        self.slow_workers = slow_workers
+        self.screen = screen
         self.cache_size = cache_size
         self.timeout_s = timeout_s
         self.max_abandoned = max_workers if max_abandoned is None else max_abandoned
@@ -94,6 +111,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, tuple[CompiledGrammar | GrammarError, float]] = OrderedDict()
         self._inflight: dict[str, _Job] = {}
         self._queue: deque[_Job] = deque()
+        self._slow_queue: deque[_Job] = deque()
         self._running: set[_Job] = set()
         self._abandoned = 0
         self._closed = False
@@ -155,7 +173,7 @@ class GrammarCompiler:
             return {
                 **vars(self.stats),
                 "cached": len(self._cache),
-                "queued": len(self._queue),
+                "queued": len(self._queue) + len(self._slow_queue),
                 "running": len(self._running),
                 "abandoned": self._abandoned,
             }
@@ -164,8 +182,9 @@ class GrammarCompiler:
         """Stop the scheduler; queued jobs fail, running ones are left to finish."""
         with self._cond:
             self._closed = True
-            queued = [w for job in self._queue for w in job.waiters]
+            queued = [w for job in (*self._queue, *self._slow_queue) for w in job.waiters]
             self._queue.clear()
+            self._slow_queue.clear()
             self._cond.notify_all()
         _deliver([(queued, None, GrammarError("the grammar compiler was shut down", kind="internal"))])
 
@@ -196,20 +215,15 @@ class GrammarCompiler:
                 now = time.monotonic()
                 for job in [j for j in self._running if j.deadline <= now]:
                     deliveries.append(self._expire(job))
-                threads = self.max_workers + self.max_abandoned  # running + abandoned never exceed the pool
-                while self._queue and len(self._running) < self.max_workers and self._busy_threads() < threads:
-                    job = self._queue.popleft()
-                    if all(w.cancelled() for w in job.waiters):
-                        del self._inflight[job.key]
-                        continue
-                    job.deadline = now + self.timeout_s
-                    job.demote_at = now + self.demote_after_s
-                    self._running.add(job)
-                    # A thread per compile: once reniced, a thread cannot get its priority back (unprivileged). Not a
-                    # daemon (a thread inherits its creator's flag, and this scheduler is one), so that
-                    # interpreter exit waits for it (llguidance's limits bound every compile) instead of
-                    # tearing Python down under native code that still runs, which crashed the process at exit.
-                    threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=False).start()
+                # Running + abandoned never exceed the pool.
+                threads = self.max_workers + self.slow_workers + self.max_abandoned
+                for queue, slow, limit in ((self._queue, False, self.max_workers),
+                                           (self._slow_queue, True, self.slow_workers)):
+                    running = sum(1 for j in self._running if j.slow == slow)
+                    while queue and running < limit and self._busy_threads() < threads:
+                        job = queue.popleft()
+                        job.screen = not slow and (self.screen if self.screen is not None else bool(queue))
+                        running += self._start(job, now)
                 for job in self._running:
                     if not job.demoted and job.tid is not None and job.demote_at <= now:
                         job.demoted = True
@@ -219,6 +233,21 @@ class GrammarCompiler:
                     nearest = min([j.deadline for j in self._running] + pending, default=None)
                     self._cond.wait(None if nearest is None else max(0.0, nearest - now))
             _deliver(deliveries)
+
+    def _start(self, job: _Job, now: float) -> bool:
+        if all(w.cancelled() for w in job.waiters):
+            del self._inflight[job.key]
+            return False
+        job.deadline = now + self.timeout_s
+        job.demote_at = now + self.demote_after_s
+        job.tid, job.demoted = None, False
+        self._running.add(job)
+        # A thread per compile: once reniced, a thread cannot get its priority back (unprivileged). Not a daemon (a
+        # thread inherits its creator's flag, and this scheduler is one), so that interpreter exit waits for it
+        # (llguidance's limits bound every compile) instead of tearing Python down under native code that still
+        # runs, which crashed the process at exit.
+        threading.Thread(target=self._run, args=(job,), name="grammar-compile", daemon=False).start()
+        return True
 
     def _busy_threads(self) -> int:
         return len(self._running) + self._abandoned
@@ -238,8 +267,13 @@ class GrammarCompiler:
         start = time.monotonic()
         result: CompiledGrammar | None = None
         error: GrammarError | None = None
+        screen = getattr(self.backend, "screen", None) if job.screen else None
+        to_slow_lane = False
         try:
-            result = self.backend.compile(job.spec)
+            if screen is not None and not screen(job.spec):
+                to_slow_lane = True
+            else:
+                result = self.backend.compile(job.spec)
         except GrammarError as exc:
             error = exc
         except Exception as exc:  # a backend bug must fail the request, not the scheduler
@@ -251,6 +285,12 @@ class GrammarCompiler:
                 self._cond.notify_all()
                 return
             self._running.discard(job)
+            if to_slow_lane:  # waiters stay attached; its timeout restarts when the slow lane starts it
+                job.slow = True
+                self.stats.slow_lane += 1
+                self._slow_queue.append(job)
+                self._cond.notify_all()
+                return
             self._inflight.pop(job.key, None)
             if error is None:
                 self.stats.compiled += 1

@@ -42,7 +42,7 @@ class EngineConfig:
     seed: int = _opt(0, "Seed of the engine's own random state (requests without a seed draw from it).")
     disable_jump_forward: bool = _opt(False, "Sample grammar-forced tokens one by one instead of appending them.")
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
-    grammar_workers: int = _opt(2, "Threads compiling grammars (off the engine loop).")
+    grammar_workers: int = _opt(2, "Threads compiling grammars off the engine loop (plus one for expensive ones).")
     grammar_nice: int = _opt(
         19, "Niceness added to a grammar compile still running after 10 ms (Linux): it uses the CPU decoding leaves."
     )

@@ -372,6 +372,33 @@ def test_timeout_frees_the_caller_and_the_pool(info) -> None:
         compiler.close()
 
 
+def test_expensive_grammars_move_to_the_slow_lane(info) -> None:
+    """A new ordinary grammar does not wait behind a queue of expensive ones: they fail the screening on a tenth of
+    the lexer budget and queue in the slow lane. Before, this schema waited for all 24 of them."""
+    compiler = GrammarCompiler(info, timeout_s=30.0)
+    try:
+        # Python cannot parse \p{L}, so no static check stops these: ~120 ms each on the full budget.
+        heavy = [compiler.submit(ConstraintSpec("regex", rf"{i}\p{{L}}(b{{{600 + i}}}){{600}}")) for i in range(24)]
+        fresh = compiler.submit(ConstraintSpec("json_schema", {**PERSON, "title": "not cached yet"}))
+        fresh.result(timeout=60)
+        pending = sum(not f.done() for f in heavy)
+        assert pending >= 12, f"only {pending} of 24 expensive compiles were still queued"
+        for fut in heavy:
+            assert isinstance(fut.exception(timeout=120), GrammarError)  # too complex for the full budget too
+        # What the small budget cannot hold but the full one can is compiled in the slow lane, not refused.
+        compiler.screen = True  # as if others queued behind it
+        before = compiler.info()["slow_lane"]
+        matcher = compiler.compile(ConstraintSpec("regex", r"\p{L}(b{200}){100}")).new_matcher()
+        assert all(matcher.accept_token(t) for t in encode(info, "x" + "b" * 20000)) and matcher.can_terminate()
+        assert compiler.info()["slow_lane"] == before + 1
+        # Syntax errors are final at the screening: no slow-lane compile for them.
+        with pytest.raises(GrammarError, match="invalid regex"):
+            compiler.compile(ConstraintSpec("regex", "[0-9"))
+        assert compiler.info()["slow_lane"] == before + 1
+    finally:
+        compiler.close()
+
+
 EXIT_DURING_COMPILES = """
 from constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
 from runtime.model_source import resolve_model
