@@ -227,6 +227,10 @@ class LLGuidanceBackend:
         spec.validate()
         if spec.kind == "json_schema":
             prepared = json_schema.rewrite_schema(spec.value, llguidance_formats(), reshape=reshape)
+            if isinstance(prepared, bool):  # llguidance applies its options to an object schema only
+                if not prepared:
+                    raise GrammarError.invalid_schema("", "the schema is false, so no output could satisfy it")
+                prepared = {}
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(prepared, overrides=self.json_options)
             except ValueError as exc:  # e.g. "Value is not JSON serializable" for a bound past 2**64
@@ -255,7 +259,7 @@ class LLGuidanceBackend:
         try:
             return llguidance.grammar_from("grammar", spec.value)
         except ValueError as exc:
-            raise GrammarError(f"invalid grammar: {exc}") from None
+            raise GrammarError(f"invalid grammar: {clean_message(str(exc))}") from None
 
     def compile(self, spec: ConstraintSpec) -> LLGuidanceGrammar:
         return self._compile(spec, self.limits)
@@ -309,7 +313,7 @@ class LLGuidanceBackend:
             why = probe.error()
             if why is not None:
                 kind = "too_complex" if "limit" in why or "too many" in why else "invalid"
-                return GrammarError(f"the constraint cannot be enforced: {why}", kind=kind)
+                return GrammarError(f"the constraint cannot be enforced: {clean_message(why)}", kind=kind)
             if probe.is_terminated():
                 return None
             allowed = _first_allowed(row[0], exclude=self.info.eos_token_ids)
@@ -321,6 +325,7 @@ class LLGuidanceBackend:
             for token in forced or [allowed]:
                 if not probe.accept_token(token):
                     why = probe.error() or f"token {token} allowed by the mask was refused"
+                    why = clean_message(why)
                     return GrammarError(f"the constraint cannot be enforced: {why}", kind="too_complex")
         return None
 
@@ -354,9 +359,24 @@ def _first_allowed(row: torch.Tensor, exclude: Sequence[int]) -> int | None:
     return None
 
 
+# Where llguidance's messages go on with what only its developers need: a Rust backtrace after a panic, the names
+# of every special token (renamed in our copy of the tokenizer).
+_DEVELOPER_DETAIL = ("\n<backtrace>", "\nstack backtrace:", "; following special tokens are available")
+MAX_MESSAGE_CHARS = 1000
+
+
+def clean_message(message: str) -> str:
+    """An llguidance error message fit for an API client: developer detail cut, at most ``MAX_MESSAGE_CHARS``."""
+    for marker in _DEVELOPER_DETAIL:
+        cut = message.find(marker)
+        if cut >= 0:
+            message = message[:cut]
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
+
+
 def _explain(message: str) -> str:
     """llguidance's terse error, with what it means for a user."""
-    message = message.replace("<non-verbose/>", "").strip()
+    message = clean_message(message.replace("<non-verbose/>", "").strip())
     if "NoExtensionBias" in message or not message:
         return NO_OUTPUT
     if "too many expressions" in message or "fuel" in message or "limit" in message:
@@ -366,7 +386,7 @@ def _explain(message: str) -> str:
 
 def _error(spec: ConstraintSpec, message: str) -> GrammarError:
     """A ``GrammarError`` for an llguidance failure, with the JSON pointer when it can be found."""
-    message = message.strip()
+    message = clean_message(message.strip())
     if spec.kind == "regex":
         return GrammarError(f"invalid regex: {message}")
     if spec.kind == "grammar":

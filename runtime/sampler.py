@@ -41,6 +41,14 @@ class NoAllowedTokenError(ValueError):
         self.rids = rids
 
 
+class NonFiniteLogitsError(ValueError):
+    """Some rows have no finite distribution to sample from (a nan or +inf logit); ``rids`` names them."""
+
+    def __init__(self, rids: list[str]) -> None:
+        super().__init__(f"the model's scores are not finite (nan or inf) for request(s) {', '.join(map(repr, rids))}")
+        self.rids = rids
+
+
 @dataclass
 class SampleOutput:
     token_ids: list[int]  # one per row
@@ -178,7 +186,8 @@ class Sampler:
         generator is a CPU generator seeded with ``params.seed``, or for unseeded requests from this sampler's
         own RNG, at first use. So a seeded request's tokens depend on neither batch nor row position;
       * greedy rows never touch a generator;
-      * no NaN is ever sampled: rows the grammar fully masks raise ``NoAllowedTokenError`` (a ``ValueError``).
+      * no NaN is ever sampled: rows the grammar fully masks raise ``NoAllowedTokenError``, and sampled rows
+        with a nan or +inf logit ``NonFiniteLogitsError`` (both ``ValueError``: the runner then fails only them).
     """
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device, seed: int = 0) -> None:
@@ -307,8 +316,13 @@ class Sampler:
         sampled = [i for i in range(b) if not greedy[i]]
         if sampled:
             idx = torch.tensor(sampled, device=x.device)
-            uniforms = torch.tensor([self._uniform(reqs[i]) for i in sampled], dtype=torch.float64)
             xs = _filter(x if len(sampled) == b else x[idx], [params[i] for i in sampled])
+            # A nan or +inf row has no distribution: the inverse-CDF search would land past the vocabulary. Checked
+            # before any generator is drawn from, so the retry row by row keeps seeded rows reproducible.
+            broken = (~torch.isfinite(xs.amax(dim=-1))).nonzero().flatten().tolist()
+            if broken:
+                raise NonFiniteLogitsError([reqs[sampled[j]].rid for j in broken])
+            uniforms = torch.tensor([self._uniform(reqs[i]) for i in sampled], dtype=torch.float64)
             tokens[idx] = _draw(xs, uniforms.to(x.device))
 
         logprobs: list[TokenLogprob | None] = [None] * b

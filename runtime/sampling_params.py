@@ -10,14 +10,19 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+# Below this a temperature is greedy, as in vLLM: dividing logits by 1e-40 overflows float32 to inf (and then nan).
+MIN_TEMPERATURE = 1e-5
+# A repetition penalty divides or multiplies logits: outside this range they overflow, and no one needs it.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
 class SamplingParams:
     """What to generate and how. ``validate`` raises ``ValueError`` with a message fit for an API client.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``logprob_start_len >= 0`` asks for the
-    log-probabilities of the prompt tokens from that position on (used to score choices).
+    ``temperature == 0`` (or below ``MIN_TEMPERATURE``) means greedy. ``top_k <= 0`` disables top-k.
+    ``logprob_start_len >= 0`` asks for the log-probabilities of the prompt tokens from that position on (used to
+    score choices).
     """
 
     max_new_tokens: int = 128
@@ -43,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
@@ -59,8 +64,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # also refuses nan
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -3,7 +3,8 @@
 For every POST/PUT/PATCH request the body is read in full, then replayed to the app:
   * larger than ``max_body_bytes`` (by its Content-Length, or as it arrives): 413, and the connection is closed;
   * not fully sent within ``read_timeout`` seconds (a half-sent body, a stalled client): 408, connection closed;
-  * not valid UTF-8: 400;
+  * not valid UTF-8, or a JSON string with a lone UTF-16 surrogate escape (``"\\ud800"``, which JSON allows but no
+    tokenizer or UTF-8 encoder takes): 400;
   * arrays/objects nested deeper than ``max_json_depth``: 400 (the JSON parser and the validators recurse; a
     bounded depth keeps a hostile body from reaching Python's recursion limit or wasting CPU).
 Every refusal has OpenAI's error shape. After the body, the app's ``receive`` falls through to the server's, so
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ from server.errors import error_body
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHUNK = 1 << 20  # bytes measured per vectorized pass: bounded memory whatever the body's size
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape (or an escaped backslash before one)
 _OPEN = np.frombuffer(b"[{", dtype=np.uint8)
 _CLOSE = np.frombuffer(b"]}", dtype=np.uint8)
 
@@ -121,6 +124,11 @@ class RequestLimits:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return f"the request body is not valid UTF-8 (byte {exc.start}); send JSON encoded as UTF-8"
+        if _SURROGATE_ESCAPE.search(body) and _lone_surrogate(body):
+            return (
+                "the request body has a string with a lone UTF-16 surrogate escape (\\ud800-\\udfff not part of a "
+                "pair), which is not valid Unicode; send valid Unicode text"
+            )
         brackets = body.count(b"[") + body.count(b"{")  # cannot nest deeper than this: skips most bodies
         depth = json_depth(body) if brackets > self.max_json_depth else 0
         if depth > self.max_json_depth:
@@ -133,6 +141,18 @@ class RequestLimits:
     def _too_large(self, declared: int | None) -> str:
         size = f"{declared} bytes" if declared is not None else "more than that"
         return f"the request body is too large ({size}); the limit is {self.max_body_bytes} bytes (--max-body-bytes)"
+
+
+def _lone_surrogate(body: bytes) -> bool:
+    """Whether the JSON ``body`` decodes to a string holding an unpaired surrogate (a pair decodes to one astral
+    character, which encodes fine). Invalid JSON is left to the route's parser and its error."""
+    try:
+        json.dumps(json.loads(body), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except (ValueError, RecursionError):
+        return False
+    return False
 
 
 def _content_length(scope: Scope) -> int | None:

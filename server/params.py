@@ -37,15 +37,21 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+def parse_logit_bias(bias: Any, param: str = "logit_bias") -> dict[int, float]:
+    """``{token id: bias}`` from a JSON object whose keys are token ids written as integers."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise bad_request(f"{param} must be an object mapping token ids to biases, got {type(bias).__name__}", param)
     out: dict[int, float] = {}
-    for key, value in (bias or {}).items():
+    for key, value in bias.items():
         try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise bad_request(
-                f"logit_bias keys must be token ids written as integers, got {key!r}", "logit_bias"
-            ) from None
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"{param} keys must be token ids written as integers, got {key!r}", param) from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad_request(f"{param} values must be numbers, got {value!r} for token {key}", param)
+        out[tid] = float(value)
     return out
 
 
@@ -141,7 +147,7 @@ def native_params(
     if isinstance(raw.get("stop"), str):
         raw["stop"] = [raw["stop"]]
     if "logit_bias" in raw:
-        raw["logit_bias"] = parse_logit_bias({str(k): v for k, v in (raw["logit_bias"] or {}).items()})
+        raw["logit_bias"] = parse_logit_bias(raw["logit_bias"], "sampling_params.logit_bias")
     try:
         params = SamplingParams(**raw)
         params.return_logprob = return_logprob

@@ -8,6 +8,7 @@ model that merely talks about a function (or writes JSON for another reason) is 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -44,19 +45,29 @@ def _as_call(obj: Any, names: set[str]) -> ParsedToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
+        args = _load(args)
     if not isinstance(args, dict):
         return None
     return ParsedToolCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False), id=new_call_id())
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _load(text: str) -> Any:
+    """Strict JSON (no NaN / Infinity, no number that overflows to inf), so a call's arguments re-serialize as
+    JSON every client parses; None when ``text`` is not such JSON."""
     try:
-        return json.loads(text)
-    except ValueError:
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+    except (ValueError, RecursionError):
         return None
 
 
@@ -72,8 +83,9 @@ def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[
             if call is None:
                 return text, []  # a malformed block: keep the answer as the model wrote it
             calls.append(call)
-        content = _BLOCK.sub("", text).strip()
-        return (content or None), calls
+        # Leading whitespace stays (a stream cannot know a call will follow when it sends it); trailing goes.
+        content = _BLOCK.sub("", text).rstrip()
+        return (content if content.strip() else None), calls
     stripped = text.strip()
     if stripped.startswith(("{", "[")):
         obj = _load(stripped)
@@ -114,12 +126,13 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """The content not yet returned, and the tool calls (empty if the answer had none)."""
-        _, calls = parse_tool_calls(self.text, self.tool_names)
+        content, calls = parse_tool_calls(self.text, self.tool_names)
         if not calls:
             return self.text[self.sent :], []
+        if content is None:  # only calls (tagged blocks, or bare JSON): ``feed`` sent nothing
+            return "", calls
         # Nothing before ``sent`` is part of a block, so the rest of the content is the unsent non-block text.
-        rest = _BLOCK.sub("", self.text[self.sent :]).rstrip()
-        return (rest if self.sent else rest.lstrip()), calls
+        return _BLOCK.sub("", self.text[self.sent :]).rstrip(), calls
 
 
 def _partial_tag_len(text: str) -> int:

@@ -116,6 +116,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("abort-unknown", "/abort_request", {"rid": "no-such-request"}, 404, "rid"),
     ("tokenize-neither", "/tokenize", {}, 400, "prompt"),
     ("non-utf8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}', 400, None),
+    # Lone surrogate escapes are valid JSON but not Unicode: they once reached the tokenizer (500) or the response.
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("lone-surrogate-rid", GEN, b'{"text": "hi", "rid": "\\udfff", "sampling_params": {"max_new_tokens": 1}}', 400,
+     None),
+    ("generate-logit-bias-list", GEN, {"text": "x", "sampling_params": {"logit_bias": [1, 2]}}, 400, None),
+    ("repetition-penalty-huge", COMP, {"prompt": "x", "max_tokens": 2, "repetition_penalty": 1e300}, 400, None),
     ("nested-too-deep", CHAT, _deep(5000), 400, None),
     ("nested-just-too-deep", CHAT, _deep(64), 400, None),
     ("body-too-large", CHAT, json.dumps(_chat(stop=["x" * (MAX_BODY + 10)])).encode(), 413, None),

@@ -9,7 +9,7 @@ import torch
 
 import runtime.sampler as sampler_mod
 from runtime.request import Req
-from runtime.sampler import TOP_WINDOW, NoAllowedTokenError, Sampler, token_logprobs
+from runtime.sampler import TOP_WINDOW, NoAllowedTokenError, NonFiniteLogitsError, Sampler, token_logprobs
 from runtime.sampling_params import SamplingParams
 
 V = 50
@@ -355,6 +355,24 @@ def test_row_with_nothing_allowed_raises_naming_the_request() -> None:
     with pytest.raises(ValueError, match="bad-req") as info:
         make_sampler().sample(rand_logits(3, seed=16), reqs, allowed)
     assert isinstance(info.value, NoAllowedTokenError) and info.value.rids == ["bad-req"]
+
+
+def test_tiny_temperatures_are_greedy_and_non_finite_rows_fail_alone() -> None:
+    """temperature=1e-40 once divided logits into inf and nan, and the draw returned token id V (past the
+    vocabulary), which failed every request of the batch."""
+    logits = rand_logits(3, seed=21)
+    tiny = [make_req(f"t{i}", temperature=t, seed=1) for i, t in enumerate((1e-40, 1e-45, 1e-6))]
+    assert make_sampler().sample(logits, tiny).token_ids == logits.argmax(-1).tolist()
+    broken = logits.clone()
+    broken[1, 7] = float("nan")
+    reqs = [make_req("ok0", seed=3), make_req("nan-row", seed=3), make_req("ok2", seed=3)]
+    with pytest.raises(ValueError, match="nan-row") as info:
+        make_sampler().sample(broken, reqs)
+    assert isinstance(info.value, NonFiniteLogitsError) and info.value.rids == ["nan-row"]
+    assert all(r.generator is None for r in reqs), "nothing is drawn before raising: the retry stays reproducible"
+    for value in (1e-300, 1e300, float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=value).validate(V)
 
 
 # ---------------------------------------------------------------------------- logprobs

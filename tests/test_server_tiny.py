@@ -90,6 +90,8 @@ def abort_count(http: httpx.Client) -> float:
 # --- OpenAI routes --------------------------------------------------------------------------------------------
 def test_health_models_openapi(http: httpx.Client, client: openai.OpenAI, engine: Engine) -> None:
     assert http.get("/health").json() == {"status": "ready"}
+    head = http.head("/health")  # load balancers that probe with HEAD
+    assert head.status_code == 200 and head.content == b""
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

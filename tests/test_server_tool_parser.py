@@ -62,6 +62,10 @@ def test_bare_json_forms(text: str) -> None:
         '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',  # malformed JSON
         '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
         "Call get_weather with city Paris",
+        # Not JSON that clients parse: once re-serialized as arguments '{"a": NaN}' / '{"a": Infinity}'.
+        '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": 1e999}}</tool_call>',
+        '{"name": "add", "arguments": "{\\"a\\": -Infinity}"}',
     ],
 )
 def test_not_a_call_stays_content(text: str) -> None:
@@ -94,6 +98,23 @@ def test_stream_bare_json_is_held_then_parsed_or_released() -> None:
     assert sent == ["", ""] and [c.name for c in calls] == ["get_weather"]
     text, calls, _ = stream(['{"answer"', ": 42}"])
     assert text == '{"answer": 42}' and calls == []
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ['{"name": "get_weather", ', '"arguments": {"city": "Rome"}}'],  # bare JSON: once also streamed as content
+        ['[{"name": "add", "arguments": {"a": 1}}', ', {"name": "add", "arguments": {"a": 2}}]'],
+        ["  lead ", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'],  # was "  lead" vs "lead"
+        ["  ", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "\n"],
+        ["Sure.\n", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', " and done."],
+    ],
+)
+def test_stream_content_equals_whole(pieces: list[str]) -> None:
+    text, calls, _ = stream(pieces)
+    whole, whole_calls = parse_tool_calls("".join(pieces), NAMES)
+    assert text == (whole or "") and [c.arguments for c in calls] == [c.arguments for c in whole_calls]
+    assert calls
 
 
 def test_stream_lookalike_tag_is_released() -> None:
