@@ -68,13 +68,13 @@ def budget(requested: int | None, prompt_len: int, max_context_len: int, kv_toke
             "shorten the prompt",
             prompt_param,
         )
+    if room < 1:  # the context has room, but the KV pool is smaller than the context
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens, which leaves no room in the KV cache "
+            f"({kv_tokens} tokens); shorten the prompt",
+            prompt_param,
+        )
     if requested is None:
-        if room < 1:
-            raise bad_request(
-                f"the prompt has {prompt_len} tokens, which leaves no room in the KV cache "
-                f"({kv_tokens} tokens); shorten the prompt",
-                prompt_param,
-            )
         return room
     if prompt_len + requested > max_context_len:
         raise bad_request(

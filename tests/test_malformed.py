@@ -20,6 +20,8 @@ import pytest
 
 from runtime.engine import Engine
 from server import ServerConfig, create_app
+from server.errors import APIError
+from server.params import budget
 from server.testing import ServerThread
 from tests.test_server_tiny import USER, wait_idle
 
@@ -244,3 +246,12 @@ def test_nothing_leaked(served: tuple[ServerThread, Engine], http: httpx.Client)
     engine = served[1]
     engine.call(lambda core: core.cache.check(core.scheduler.holders()))
     assert http.get("/health").json() == {"status": "ready"}
+
+
+def test_budget_names_the_prompt_when_the_kv_pool_is_the_limit() -> None:
+    """Context 2,048 but a KV pool of 256 tokens: a 300-token prompt cannot fit whatever max_tokens says."""
+    for requested in (None, 5):
+        with pytest.raises(APIError) as info:
+            budget(requested, 300, 2048, 256, "prompt")
+        assert info.value.param == "prompt" and "KV cache" in info.value.message
+    assert budget(None, 100, 2048, 256, "prompt") == 156 and budget(5, 100, 2048, 256, "prompt") == 5

@@ -145,3 +145,4 @@ def test_scanner_on_a_cut_answer() -> None:
 def test_constraint_is_frozen_with_its_sub_params() -> None:
     c = RequestConstraint(make_constraint("regex", "x", "regex").spec, "regex")
     assert c.sub_params == () and c.error(GrammarError("bad")).param == "regex"
+
