@@ -285,6 +285,8 @@ class GrammarCompiler:
                 self._cond.notify_all()
                 return
             self._running.discard(job)
+            if to_slow_lane and self._closed:  # ``close`` already failed the queues: fail it the same way
+                error, to_slow_lane = GrammarError("the grammar compiler was shut down", kind="internal"), False
             if to_slow_lane:  # waiters stay attached; its timeout restarts when the slow lane starts it
                 job.slow = True
                 self.stats.slow_lane += 1

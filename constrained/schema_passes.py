@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from constrained import schema_refs as refs
@@ -180,36 +181,77 @@ def materialize_all_of(rw: Rewriter, out: Schema) -> None:
 
 
 # The backend reads numbers as doubles and builds its number lexers on 64-bit integers: an integer bound past 2**53
-# is rounded to the nearest double, possibly outward (``maximum: 9007199254740995`` admitted 9007199254740996), and
-# a bound past about 9.2e18 (``minimum: -2**63``, the usual int64 range) does not compile at all.
+# is rounded to the nearest double, possibly outward (``maximum: 9007199254740995`` admitted 9007199254740996); an
+# exclusive integer bound from 2**53 on admits the bound itself (it moves it by one, which rounds back); and a
+# bound past about 9.2e18 (``minimum: -2**63``, the usual int64 range) does not compile at all.
 EXACT_INTEGERS = 2**53
 BOUND_LIMIT = 9 * 10**18  # a double, and inside what the backend compiles (+-2**63 is not)
-_BOUNDS = (("minimum", True), ("exclusiveMinimum", True), ("maximum", False), ("exclusiveMaximum", False))
+_SIDES = (("minimum", "exclusiveMinimum", True), ("maximum", "exclusiveMaximum", False))
 
 
 def fit_number_bounds(out: Schema) -> None:
     """Move every numeric bound the backend cannot hold exactly inward, to the nearest value it can: a double, and
-    within +-9e18. Values between the old and the new bound are given up (for an int64 range, the outermost
-    2.4% on each side); no value the user's bound excludes is ever admitted. A lower bound already above 9e18
-    (or an upper one below -9e18) has no inward value the backend holds and is left for it to refuse."""
+    within +-9e18; exclusive bounds from 2**53 on become inclusive ones at the next double inside. Values between
+    the old and the new bound are given up (for an int64 range, the outermost 2.4% on each side); no value the
+    user's bound excludes is ever admitted. A lower bound already above 9e18 (or an upper one below -9e18) has no
+    inward value the backend holds and is left for it to refuse."""
     for node in schema_nodes(out):
-        for key, lower in _BOUNDS:
-            value = node.get(key)
+        for inclusive, exclusive, lower in _SIDES:
+            strict = node.get(exclusive)
+            if strict is True and is_number(node.get(inclusive)):  # draft 4: the inclusive keyword is the bound
+                strict = node.pop(inclusive)
+                del node[exclusive]
+            elif is_number(strict):
+                del node[exclusive]
+            else:
+                strict = None
+            if strict is not None:
+                if abs(strict) < EXACT_INTEGERS or _far_side(strict, lower):
+                    node[exclusive] = strict  # held exactly, or refused by the backend either way
+                else:
+                    bound, current = _past(strict, lower), node.get(inclusive)
+                    if not is_number(current) or (bound > current if lower else bound < current):
+                        node[inclusive] = bound
+            value = node.get(inclusive)
             if is_number(value) and abs(value) > EXACT_INTEGERS:
-                node[key] = _inward(value, lower)
+                node[inclusive] = _inward(value, lower)
+
+
+def _far_side(value: int | float, lower: bool) -> bool:
+    return value > BOUND_LIMIT if lower else value < -BOUND_LIMIT
 
 
 def _inward(value: int | float, lower: bool) -> int | float:
+    """The nearest value the backend holds on the inside of the inclusive bound ``value``."""
     if lower and value < -BOUND_LIMIT:
         return -BOUND_LIMIT
     if not lower and value > BOUND_LIMIT:
         return BOUND_LIMIT
-    if abs(value) > BOUND_LIMIT or isinstance(value, float):
-        return value  # a double already (or past the limit on the far side: the backend refuses it clearly)
-    rounded = float(value)
-    if (rounded < value) if lower else (rounded > value):
-        rounded = math.nextafter(rounded, math.inf if lower else -math.inf)
-    return int(rounded)
+    if abs(value) > BOUND_LIMIT:
+        return value  # past the limit on the far side: the backend refuses it clearly
+    return _held(int(value), lower)  # past 2**53 every double is an integer
+
+
+def _past(value: int | float, lower: bool) -> int:
+    """The nearest value the backend holds strictly inside the exclusive bound ``value`` (not on the far side)."""
+    if lower and value < -BOUND_LIMIT:
+        return -BOUND_LIMIT
+    if not lower and value > BOUND_LIMIT:
+        return BOUND_LIMIT
+    return _held(math.floor(value) + 1 if lower else math.ceil(value) - 1, lower)
+
+
+def _held(value: int, lower: bool) -> int:
+    """The integer nearest to ``value`` on the inside (up for a lower bound) that the backend reads exactly both
+    ways it reads a bound: as a double (integer ranges) and as the decimal its shortest text spells (number ranges:
+    ``maximum: 2**60`` became 1152921504606847000 there). Rounding to a multiple of 10**k finds one for k <= 10
+    below 9e18 (a multiple of 10**10 is one of 2**10, the spacing of doubles there, and has few digits)."""
+    step = 1
+    while True:
+        held = -(-value // step) * step if lower else value // step * step
+        if float(held) == held and Decimal(repr(float(held))) == held:
+            return held
+        step *= 10
 
 
 def schema_nodes(root: Schema) -> list[dict[str, Any]]:

@@ -287,7 +287,10 @@ def test_huge_number_bounds_compile_and_never_admit_more(compiler, info) -> None
     assert accepts(int64, "0") and accepts(int64, "-9000000000000000000") and accepts(int64, "123456789012")
     assert not accepts(int64, "9223372036854775808") and not accepts(int64, "-9223372036854775809")
     odd = ConstraintSpec("json_schema", {"type": "integer", "maximum": 2**53 + 3})
-    assert accepts(odd, str(2**53 + 2)) and not accepts(odd, str(2**53 + 4))
+    assert accepts(odd, str(2**53 - 2)) and not accepts(odd, str(2**53 + 4))
+    # An exclusive bound that is a double was admitted itself; a number bound of 19 digits was read as 16.
+    assert not accepts(ConstraintSpec("json_schema", {"type": "integer", "exclusiveMinimum": 2**54}), str(2**54))
+    assert not accepts(ConstraintSpec("json_schema", {"type": "number", "maximum": 2**60}), str(2**60 + 1))
     # Values llguidance would write as another number are refused (it forced [1,36028797018963968] for this
     # const); numbers past 64 bits are a client error, not an internal one.
     with pytest.raises(GrammarError) as err:
@@ -397,6 +400,27 @@ def test_expensive_grammars_move_to_the_slow_lane(info) -> None:
         assert compiler.info()["slow_lane"] == before + 1
     finally:
         compiler.close()
+
+
+def test_close_fails_a_job_the_screening_sends_to_the_slow_lane(info) -> None:
+    """A job screened out after ``close`` emptied the queues was queued again, and its caller waited forever."""
+
+    class Screening:
+        name = "screening"
+
+        def screen(self, spec):
+            time.sleep(0.3)
+            return False
+
+        def compile(self, spec):
+            raise AssertionError("not reached")
+
+    compiler = GrammarCompiler(info, max_workers=1, backend=Screening(), screen=True)
+    future = compiler.submit(ConstraintSpec("regex", "a"))
+    time.sleep(0.05)  # now being screened
+    compiler.close()
+    with pytest.raises(GrammarError, match="shut down"):
+        future.result(timeout=10)
 
 
 EXIT_DURING_COMPILES = """

@@ -7,6 +7,7 @@ probe instance the same way. No tokenizer or model is needed here.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 import pytest
 from hypothesis import given, settings
@@ -218,14 +219,25 @@ def test_pathological_nesting_is_refused_cleanly() -> None:
 
 
 def test_number_bounds_the_backend_cannot_hold_move_inward() -> None:
-    """The backend reads bounds as doubles and cannot compile +-2**63: such bounds narrow, never widen."""
+    """The backend reads bounds as doubles (and number bounds as their shortest decimal text), moves exclusive
+    integer bounds by one in doubles, and cannot compile +-2**63: such bounds narrow, never widen."""
     int64 = rewrite_schema({"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}, FORMATS)
     assert int64 == {"type": "integer", "minimum": -9 * 10**18, "maximum": 9 * 10**18}
     odd = 2**53 + 3  # between the doubles 2**53 + 2 and 2**53 + 4
     out = rewrite_schema({"type": "integer", "maximum": odd, "exclusiveMinimum": -odd}, FORMATS)
-    assert (out["maximum"], out["exclusiveMinimum"]) == (odd - 1, -(odd - 1))
+    assert out == {"type": "integer", "maximum": 2**53 - 2, "minimum": -(2**53 + 2)}
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "maximum": 2**54, "exclusiveMaximum": True}
+    for schema, key, bound, inside in [
+        ({"exclusiveMinimum": 2**54}, "minimum", 2**54, 1),
+        (draft4, "maximum", 2**54, -1),
+        ({"maximum": 2**60}, "maximum", 2**60 + 1, -1),  # llguidance read this one as 1152921504606847000
+        ({"minimum": -(10**18) - 7}, "minimum", -(10**18) - 8, 1),
+    ]:
+        held = rewrite_schema(schema, FORMATS)[key]
+        assert (held - bound) * inside > 0 and abs(held - bound) < 10**10, (schema, held)
+        assert float(held) == held and Decimal(repr(float(held))) == held  # exact as a double and as its text
     nested = rewrite_schema({"properties": {"n": {"anyOf": [{"exclusiveMaximum": 1e30}, {"type": "string"}]}}}, FORMATS)
-    assert nested["properties"]["n"]["anyOf"][0]["exclusiveMaximum"] == 9 * 10**18
+    assert nested["properties"]["n"]["anyOf"][0] == {"maximum": 9 * 10**18}
     for exact in ({"type": "integer", "minimum": -(2**53), "maximum": 2**53}, {"type": "number", "maximum": 4.5e18}):
         assert rewrite_schema(exact, FORMATS) == exact
     far = {"type": "integer", "minimum": 10**30}  # nothing inward to move to: left for the backend to refuse
