@@ -7,6 +7,7 @@ root ``$id`` followed by such a fragment). Anchors, other documents and referenc
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
@@ -95,3 +96,40 @@ def has_embedded_resources(doc: Any) -> bool:
         elif isinstance(cur, list):
             stack.extend(cur)
     return False
+
+
+# Keywords whose value is a schema, a map of schemas or a list of schemas (draft 4 to 2020-12); everything else is
+# data (``enum``, ``const``, ``default``, ...) and is never rewritten.
+_ONE_SCHEMA = (
+    "additionalProperties", "additionalItems", "propertyNames", "not", "if", "then", "else", "contains", "items",
+    "unevaluatedProperties", "unevaluatedItems", "contentSchema",
+)
+_SCHEMA_MAP = ("properties", "patternProperties", "dependentSchemas", "dependencies", "$defs", "definitions")
+_SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def rebase_refs(schema: Any, prefix: str) -> Any:
+    """A copy of ``schema`` for embedding at JSON pointer ``prefix`` of a larger document: every local pointer
+    ``$ref`` (``#``, ``#/...``) is re-pointed to the same place there. A schema with its own ``$id`` is a resource of
+    its own (its references resolve against it wherever it sits) and is copied unchanged; so are data keywords."""
+    if isinstance(schema, dict) and root_id(schema) is not None:
+        return copy.deepcopy(schema)
+
+    def walk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return copy.deepcopy(node)
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+                out[key] = "#" + prefix + value[1:]
+            elif key in _SCHEMA_LIST and isinstance(value, list):
+                out[key] = [walk(v) for v in value]
+            elif key in _ONE_SCHEMA:
+                out[key] = walk(value)
+            elif key in _SCHEMA_MAP and isinstance(value, dict):
+                out[key] = {k: walk(v) if isinstance(v, dict) else copy.deepcopy(v) for k, v in value.items()}
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+
+    return walk(schema)

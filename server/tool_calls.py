@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from constrained.schema_refs import rebase_refs
 from server.constraints import RequestConstraint, make_constraint
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -35,10 +36,13 @@ Subs = tuple[tuple[str, str], ...]
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+def _call_schema(name: str, parameters: dict[str, Any] | None, at: str) -> dict[str, Any]:
+    """One call object; ``at`` is the JSON pointer of this object in the document compiled, so the parameters'
+    local ``$ref``s (``#/$defs/...``, as pydantic writes them) still name their targets once wrapped."""
+    arguments = NO_PARAMETERS if parameters is None else rebase_refs(parameters, f"{at}/properties/arguments")
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": NO_PARAMETERS if parameters is None else parameters},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -52,13 +56,18 @@ def _tool_names(req: ChatCompletionRequest) -> list[str]:
     return names
 
 
-def _calls_schema(req: ChatCompletionRequest, names: list[str], selected: list[int], base: str) -> tuple[Any, Subs]:
-    """The schema of one call to any of the ``selected`` tools, and where each tool's parameters sit in it (as
-    ``RequestConstraint.sub_params`` pairs, under the pointer ``base`` of this schema in the whole constraint)."""
+def _calls_schema(
+    req: ChatCompletionRequest, names: list[str], selected: list[int], at: str, errors_at: str = ""
+) -> tuple[Any, Subs]:
+    """The schema of one call to any of the ``selected`` tools, placed at JSON pointer ``at`` of the document
+    compiled, and where each tool's parameters sit (``RequestConstraint.sub_params`` pairs; error pointers of the
+    constraint have ``errors_at`` before the document's own)."""
     tools = req.tools or []
-    calls = [_call_schema(names[i], tools[i].function.parameters) for i in selected]
-    branch = [base + (f"/anyOf/{k}" if len(calls) > 1 else "") for k in range(len(calls))]
-    subs = tuple((f"{b}/properties/arguments", f"tools[{i}].function.parameters") for b, i in zip(branch, selected))
+    branch = [at + (f"/anyOf/{k}" if len(selected) > 1 else "") for k in range(len(selected))]
+    calls = [_call_schema(names[i], tools[i].function.parameters, b) for b, i in zip(branch, selected)]
+    subs = tuple(
+        (f"{errors_at}{b}/properties/arguments", f"tools[{i}].function.parameters") for b, i in zip(branch, selected)
+    )
     return (calls[0] if len(calls) == 1 else {"anyOf": calls}), subs
 
 
@@ -69,7 +78,7 @@ def tool_or_answer_constraint(req: ChatCompletionRequest, fmt: RequestConstraint
     if fmt is None or not req.tools or req.tool_choice not in (None, "auto"):
         return None
     names = _tool_names(req)
-    call, subs = _calls_schema(req, names, list(range(len(names))), "/call")
+    call, subs = _calls_schema(req, names, list(range(len(names))), "", errors_at="/call")
     answer = fmt.spec.value if fmt.spec.kind == "json_schema" else None
     value = {"call": call, "answer": answer, "parallel": bool(req.parallel_tool_calls)}
     constraint = make_constraint("tool_or_answer", value, "tools")

@@ -146,3 +146,34 @@ def test_constraint_is_frozen_with_its_sub_params() -> None:
     c = RequestConstraint(make_constraint("regex", "x", "regex").spec, "regex")
     assert c.sub_params == () and c.error(GrammarError("bad")).param == "regex"
 
+
+# How pydantic writes a model with a nested model (the OpenAI Agents SDK sends tools this way).
+NESTED = {
+    "$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}},
+    "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["city", "unit"],
+    "type": "object",
+    "additionalProperties": False,
+}
+
+
+def test_tool_parameters_with_local_refs_still_resolve_once_wrapped() -> None:
+    """``#/$defs/Unit`` used to resolve against the wrapper's root: a 400 'points to a location that does not
+    exist' for every pydantic tool with a nested model."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": NESTED}}, TOOLS[1]]
+    good, bad = {"name": "weather", "arguments": {"city": "Oslo", "unit": "c"}}, {"city": "Oslo", "unit": "k"}
+    fmt = response_format_constraint(JSON_OBJECT)
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": tools})
+    union = tool_or_answer_constraint(req, fmt)
+    assert union is not None
+    for kw in ({"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": True}):
+        forced = forced_tool_constraint(ChatCompletionRequest.model_validate({"messages": USER, "tools": tools, **kw}))
+        assert forced is not None
+        schema = forced.spec.value
+        jsonschema.validate([good] if kw.get("parallel_tool_calls") else good, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "weather", "arguments": bad}, schema if "items" not in schema else schema)
+    jsonschema.validate(good, union.spec.value["call"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "weather", "arguments": bad}, union.spec.value["call"])
+    assert NESTED["properties"]["unit"] == {"$ref": "#/$defs/Unit"}  # the request's own schema is not touched
