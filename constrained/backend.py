@@ -37,7 +37,7 @@ import torch
 from constrained import json_schema
 from constrained.spec import ConstraintSpec, GrammarError, pointer_join, tool_or_answer_parts
 from constrained.tokenizer import TokenizerInfo
-from constrained.tool_grammar import tool_or_answer_lark
+from constrained.tool_grammar import tool_or_answer_lark, under
 
 _SPEC_FORMATS = (
     "date-time",
@@ -248,7 +248,7 @@ class LLGuidanceBackend:
             try:
                 return llguidance.LLMatcher.grammar_from_lark(lark)
             except ValueError as exc:
-                raise _error(spec, str(exc)) from None
+                raise self._blame(spec, self.limits) or _error(spec, str(exc)) from None
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":
@@ -292,11 +292,23 @@ class LLGuidanceBackend:
             # llguidance could not intersect through a recursive definition: retry with references reshaped.
             matcher = self._matcher(self.grammar_text(spec, reshape=True), limits)
         if matcher.is_error():
-            raise _error(spec, matcher.get_error())
+            blame = self._blame(spec, limits) if spec.kind == "tool_or_answer" else None
+            raise blame or _error(spec, matcher.get_error())
         problem = self._probe(matcher)
         if problem is not None:
             raise problem
         return LLGuidanceGrammar(spec.key, self.info, matcher)
+
+    def _blame(self, spec: ConstraintSpec, limits: llguidance.LLParserLimits) -> GrammarError | None:
+        """For a ``tool_or_answer`` that llguidance refused as a whole: the error of the part that fails on its own,
+        at that part's pointer (so it reaches the client at ``tools[i]...`` or ``response_format``, without the
+        lines of a grammar the client never wrote); None when each part compiles alone."""
+        for prefix, schema in tool_or_answer_parts(spec.value):
+            try:
+                self._compile(ConstraintSpec("json_schema", schema), limits)
+            except GrammarError as exc:
+                return under(exc, prefix)
+        return None
 
     def _probe(self, template: llguidance.LLMatcher) -> GrammarError | None:
         """Follow a copy of ``template`` for up to ``PROBE_STEPS`` tokens (the forced ones, else the smallest

@@ -153,28 +153,31 @@ def regex_problem(pattern: str, where: str = "the regex") -> str | None:
     )
 
 
-def schema_pattern_problem(schema: Any, path: str = "") -> str | None:
-    """``regex_problem`` of the first ``pattern`` or ``patternProperties`` key of a JSON schema that has one,
-    naming its JSON pointer."""
+def schema_pattern_problem(schema: Any, path: str = "") -> tuple[str, str] | None:
+    """``(JSON pointer, regex_problem)`` of the first ``pattern`` or ``patternProperties`` key of a JSON schema that
+    has one (the message names the pointer too)."""
     if isinstance(schema, dict):
         for key, value in schema.items():
             pointer = f"{path}/{_escape(key)}"
-            problem = None
+            found = None
             if key == "pattern" and isinstance(value, str):
                 problem = regex_problem(value, f"the pattern at {pointer}")
+                found = (pointer, problem) if problem else None
             elif key == "patternProperties" and isinstance(value, dict):
-                problem = next(
-                    (p for name in value if (p := regex_problem(name, f"the key {name!r} at {pointer}"))), None
-                )
-            if problem is None and key not in ("const", "enum", "default", "examples"):  # data there, not schemas
-                problem = schema_pattern_problem(value, pointer)
-            if problem is not None:
-                return problem
+                for name in value:
+                    problem = regex_problem(name, f"the key {name!r} at {pointer}")
+                    if problem:
+                        found = (pointer, problem)
+                        break
+            if found is None and key not in ("const", "enum", "default", "examples"):  # data there, not schemas
+                found = schema_pattern_problem(value, pointer)
+            if found is not None:
+                return found
     elif isinstance(schema, list):
         for i, item in enumerate(schema):
-            problem = schema_pattern_problem(item, f"{path}/{i}")
-            if problem is not None:
-                return problem
+            found = schema_pattern_problem(item, f"{path}/{i}")
+            if found is not None:
+                return found
     return None
 
 

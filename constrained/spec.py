@@ -174,17 +174,17 @@ class ConstraintSpec:
         if len(self.key) > MAX_SPEC_CHARS:
             raise GrammarError(f"{self.kind} is {len(self.key)} characters long; the limit is {MAX_SPEC_CHARS}")
         # Regexes that unroll into huge lexers are refused here, before they cost a compile worker any time.
+        found: tuple[str | None, str] | None = None
         if self.kind == "regex":
             problem = regex_problem(self.value)
+            found = (None, problem) if problem else None
         elif self.kind == "json_schema":
-            problem = schema_pattern_problem(self.value)
+            found = schema_pattern_problem(self.value)
         elif self.kind == "tool_or_answer":
             parts = tool_or_answer_parts(self.value)
-            problem = next(filter(None, (schema_pattern_problem(s, at) for at, s in parts)), None)
-        else:
-            problem = None
-        if problem is not None:
-            raise GrammarError(problem, kind="too_complex")
+            found = next(filter(None, (schema_pattern_problem(s, at) for at, s in parts)), None)
+        if found is not None:
+            raise GrammarError(found[1], kind="too_complex", pointer=found[0])
 
     @cached_property
     def key(self) -> str:

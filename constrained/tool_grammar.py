@@ -24,8 +24,8 @@ Rewrite = Callable[[Any], Any]
 
 def under(exc: GrammarError, prefix: str) -> GrammarError:
     """``exc`` re-pointed from inside one part's schema to the whole value (pointer and message)."""
-    if exc.pointer is None:
-        return GrammarError(f"{prefix}: {exc}", kind=exc.kind, keyword=exc.keyword)
+    if exc.pointer is None:  # somewhere in that part: the part itself is the place to report
+        return GrammarError(str(exc), kind=exc.kind, keyword=exc.keyword, pointer=prefix)
     pointer = prefix + exc.pointer
     message = str(exc).replace(f" at {exc.pointer or '/'}", f" at {pointer}", 1)
     return GrammarError(message, kind=exc.kind, keyword=exc.keyword, pointer=pointer)

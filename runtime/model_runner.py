@@ -17,7 +17,7 @@ from runtime.batch import BatchPlan, Failure, StepResult
 from runtime.grammar import grammar_failure, grammar_mask
 from runtime.kv_pool import KVPool
 from runtime.request import ErrorCode, TokenLogprob
-from runtime.sampler import Sampler, token_logprobs
+from runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
 from runtime.threads import StepThreads
 
 # Below this many shared tokens, attending to a prefix separately costs more than it saves.
@@ -191,6 +191,8 @@ class ModelRunner:
                 single = self.sampler.sample(logits[j : j + 1], [reqs[j]], row_allowed)
                 next_tokens[i] = single.token_ids[0]
                 logprobs[i] = single.logprobs[0]
+            except NonFiniteLogitsError as exc:  # the model's numbers, whatever the request's grammar
+                errors[i] = Failure(str(exc), ErrorCode.ENGINE)
             except ValueError as exc:
                 errors[i] = Failure(str(exc), ErrorCode.GRAMMAR if reqs[j].grammar is not None else ErrorCode.ENGINE)
 

@@ -186,8 +186,10 @@ class Sampler:
         generator is a CPU generator seeded with ``params.seed``, or for unseeded requests from this sampler's
         own RNG, at first use. So a seeded request's tokens depend on neither batch nor row position;
       * greedy rows never touch a generator;
-      * no NaN is ever sampled: rows the grammar fully masks raise ``NoAllowedTokenError``, and sampled rows
-        with a nan or +inf logit ``NonFiniteLogitsError`` (both ``ValueError``: the runner then fails only them).
+      * no token is ever drawn from a distribution that is not one: rows the grammar fully masks raise
+        ``NoAllowedTokenError``, and sampled rows with a nan or +inf logit ``NonFiniteLogitsError`` (both
+        ``ValueError``: the runner then fails only them). A greedy row takes the argmax as it is, always a token id
+        of the vocabulary.
     """
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device, seed: int = 0) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -56,6 +57,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+@dataclass(frozen=True)
+class ToolOutput:
+    """How an answer's tool calls are read: ``names`` offered (empty: none are read), ``forced`` (the output is the
+    call JSON itself, ``server.tool_calls``), ``bare_json`` (a bare JSON object may be a call; not under the union
+    grammar, where it is the answer)."""
+
+    names: frozenset[str] = frozenset()
+    forced: bool = False
+    bare_json: bool = True
+
+
 def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None, bool]:
     """``(the request's constraint, whether it forces tool calls)``; at most one constraint per request."""
     if req.top_logprobs and not req.logprobs:
@@ -65,10 +77,10 @@ def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None
     if tool is not None:
         # As in OpenAI's API, response_format governs a content answer only, and a forced call never gives one.
         fmt = None
-    union = tool_or_answer_constraint(req, fmt)
-    if union is not None:  # "auto" with a format: a call is still possible, so the answer's format joins it
-        fmt = None
-    constraint = at_most_one([*body_constraints(req), fmt, tool, union])
+    constraint = at_most_one([*body_constraints(req), fmt, tool])
+    if constraint is not None and constraint is fmt:
+        # "auto" with a format: a call is still possible, so the answer's format joins it.
+        constraint = tool_or_answer_constraint(req, fmt) or fmt
     return constraint, tool is not None
 
 
@@ -93,13 +105,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     group = RequestGroup(engine, state.metrics, state.inflight)
     group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
-    tools = {t.function.name for t in body.tools or []} if parse_tools and not forced else set()
+    names = frozenset(t.function.name for t in body.tools or []) if parse_tools and not forced else frozenset()
+    union = constraint is not None and constraint.spec.kind == "tool_or_answer"
+    tools = ToolOutput(names, forced, bare_json=not union)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(group, body, state, cid, created, tools, include_usage, forced))
+        return SSEResponse(_stream(group, body, state, cid, created, tools, include_usage))
     results = await group.collect(request)
-    choices = [_choice(i, r, body, state, tools, forced) for i, r in enumerate(results)]
+    choices = [_choice(i, r, body, state, tools) for i, r in enumerate(results)]
     return {
         "id": cid,
         "object": "chat.completion",
@@ -110,20 +124,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     }
 
 
-def _choice(
-    index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: set[str], forced: bool
-) -> dict:
+def _choice(index: int, res: Result, body: ChatCompletionRequest, state: ServerState, tools: ToolOutput) -> dict:
     reason = finish_reason(res.finish_reason, res.error, res.error_code)
     message: dict[str, Any] = {"role": "assistant", "content": res.text}
-    if forced:
+    if tools.forced:
         scanner = ToolCallScanner()
         scanner.feed(res.text)
         calls = scanner.finish()
         if calls:  # else (cut before a name was complete) the partial text stays content
             message = {"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]}
             reason = "tool_calls" if scanner.complete else reason
-    elif tools:
-        content, calls = parse_tool_calls(res.text, tools)
+    elif tools.names:
+        content, calls = parse_tool_calls(res.text, set(tools.names), bare_json=tools.bare_json)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
             reason = "tool_calls"
@@ -143,9 +155,8 @@ async def _stream(
     state: ServerState,
     cid: str,
     created: int,
-    tools: set[str],
+    tools: ToolOutput,
     include_usage: bool,
-    forced: bool,
 ) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content deltas, a last chunk with finish_reason; then the
     usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive. A forced tool call
@@ -160,12 +171,12 @@ async def _stream(
         return chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}])
 
     n = len(group.rids)
-    filters = [ToolCallStream(tools) if tools else None for _ in range(n)]
-    scanners = [ToolCallScanner() if forced else None for _ in range(n)]
+    filters = [ToolCallStream(set(tools.names), bare_json=tools.bare_json) if tools.names else None for _ in range(n)]
+    scanners = [ToolCallScanner() if tools.forced else None for _ in range(n)]
     finals: list[ReqOutput | None] = [None] * n
     try:
         for i in range(n):
-            yield delta(i, {"role": "assistant", "content": None if forced else ""})
+            yield delta(i, {"role": "assistant", "content": None if tools.forced else ""})
         async for i, out in group:
             reason = finish_reason(out.finish_reason, out.error, out.error_code) if out.finished else None
             lps = chat_logprobs(out.logprobs, names) if body.logprobs and out.logprobs else None

@@ -8,6 +8,7 @@ constraint (``regex``, ``json_schema``, ...) is read by ``server.constraints`` a
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from constrained import ConstraintSpec
@@ -37,6 +38,9 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]{1,12}")
+
+
 def parse_logit_bias(bias: Any, param: str = "logit_bias") -> dict[int, float]:
     """``{token id: bias}`` from a JSON object whose keys are token ids written as integers."""
     if bias is None:
@@ -45,13 +49,13 @@ def parse_logit_bias(bias: Any, param: str = "logit_bias") -> dict[int, float]:
         raise bad_request(f"{param} must be an object mapping token ids to biases, got {type(bias).__name__}", param)
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            tid = int(key)
-        except (TypeError, ValueError):
-            raise bad_request(f"{param} keys must be token ids written as integers, got {key!r}", param) from None
+        if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key)):  # not int(): it takes " 5", "1_0", "٥"
+            raise bad_request(f"{param} keys must be token ids written as integers, got {key!r}", param)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad_request(f"{param} values must be numbers, got {value!r} for token {key}", param)
-        out[tid] = float(value)
+        if int(key) in out:
+            raise bad_request(f"{param} lists token {int(key)} twice", param)
+        out[int(key)] = float(value)
     return out
 
 

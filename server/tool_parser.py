@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.DOTALL)
 
 
 @dataclass
@@ -62,32 +60,67 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+
+
 def _load(text: str) -> Any:
     """Strict JSON (no NaN / Infinity, no number that overflows to inf), so a call's arguments re-serialize as
     JSON every client parses; None when ``text`` is not such JSON."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError):
         return None
 
 
-def parse_tool_calls(text: str, tool_names: set[str]) -> tuple[str | None, list[ParsedToolCall]]:
+def _blocks(text: str, tool_names: set[str]) -> tuple[str, list[ParsedToolCall]] | None:
+    """``(text outside the blocks, calls)`` for ``<tool_call>`` blocks, or None when a block is not a valid call.
+
+    A block's extent is its JSON value's, not the next close tag: an argument may contain ``</tool_call>`` (the
+    union grammar allows any string there). After the JSON come optional whitespace and the close tag, or the end
+    of the text (an unterminated last block still counts).
+    """
+    outside, calls, pos = [], [], 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        outside.append(text[pos:start])
+        body = start + len(OPEN_TAG)
+        body += len(text[body:]) - len(text[body:].lstrip())
+        try:
+            obj, end = _DECODER.raw_decode(text, body)
+        except (ValueError, RecursionError):
+            return None
+        call = _as_call(obj, tool_names)
+        if call is None:
+            return None
+        calls.append(call)
+        end += len(text[end:]) - len(text[end:].lstrip())
+        if text.startswith(CLOSE_TAG, end):
+            end += len(CLOSE_TAG)
+        elif end < len(text):
+            return None
+        pos = end
+    outside.append(text[pos:])
+    return "".join(outside), calls
+
+
+def parse_tool_calls(
+    text: str, tool_names: set[str], *, bare_json: bool = True
+) -> tuple[str | None, list[ParsedToolCall]]:
     """Split ``text`` into (content, tool calls). Content is None when the answer was only tool calls.
 
-    With no valid call found, returns ``(text, [])`` unchanged.
+    With no valid call found, returns ``(text, [])`` unchanged. ``bare_json=False`` reads only ``<tool_call>``
+    blocks: under the union grammar (tools + a response_format) a bare JSON object is the answer, checked
+    against the answer's schema only, so it must not become a call whose arguments nothing validated.
     """
     if OPEN_TAG in text:
-        calls = []
-        for match in _BLOCK.finditer(text):
-            call = _as_call(_load(match.group(1)), tool_names)
-            if call is None:
-                return text, []  # a malformed block: keep the answer as the model wrote it
-            calls.append(call)
+        found = _blocks(text, tool_names)
+        if found is None:
+            return text, []  # a malformed block: keep the answer as the model wrote it
+        rest, calls = found
         # Leading whitespace stays (a stream cannot know a call will follow when it sends it); trailing goes.
-        content = _BLOCK.sub("", text).rstrip()
+        content = rest.rstrip()
         return (content if content.strip() else None), calls
     stripped = text.strip()
-    if stripped.startswith(("{", "[")):
+    if bare_json and stripped.startswith(("{", "[")):
         obj = _load(stripped)
         objs = obj if isinstance(obj, list) else [obj]
         calls = [_as_call(o, tool_names) for o in objs]
@@ -100,20 +133,21 @@ class ToolCallStream:
     """Streams content while holding back whatever may turn out to be a tool call.
 
     Invariant: ``feed`` only ever returns text that cannot belong to a call: the answer so far does not start
-    (after whitespace) with ``{``/``[``, and the text returned precedes any ``<tool_call>`` and any suffix
-    that could still grow into one. ``finish`` parses the whole answer and returns the held content and the
-    calls, so streamed content + finish content equals the non-streamed content.
+    (after whitespace) with ``{``/``[`` (with ``bare_json``), and the text returned precedes any ``<tool_call>``
+    and any suffix that could still grow into one. ``finish`` parses the whole answer and returns the held content
+    and the calls, so streamed content + finish content equals the non-streamed content.
     """
 
-    def __init__(self, tool_names: set[str]) -> None:
+    def __init__(self, tool_names: set[str], *, bare_json: bool = True) -> None:
         self.tool_names = tool_names
+        self.bare_json = bare_json
         self.text = ""
         self.sent = 0
 
     def feed(self, delta: str) -> str:
         self.text += delta
         stripped = self.text.lstrip()
-        if not stripped or stripped.startswith(("{", "[")):
+        if not stripped or (self.bare_json and stripped.startswith(("{", "["))):
             return ""
         tag = self.text.find(OPEN_TAG)
         end = tag if tag >= 0 else len(self.text) - _partial_tag_len(self.text)
@@ -126,13 +160,13 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ParsedToolCall]]:
         """The content not yet returned, and the tool calls (empty if the answer had none)."""
-        content, calls = parse_tool_calls(self.text, self.tool_names)
+        content, calls = parse_tool_calls(self.text, self.tool_names, bare_json=self.bare_json)
         if not calls:
             return self.text[self.sent :], []
         if content is None:  # only calls (tagged blocks, or bare JSON): ``feed`` sent nothing
             return "", calls
-        # Nothing before ``sent`` is part of a block, so the rest of the content is the unsent non-block text.
-        return _BLOCK.sub("", self.text[self.sent :]).rstrip(), calls
+        # Nothing before ``sent`` is part of a block, and the content begins with all of it.
+        return content[self.sent :], calls
 
 
 def _partial_tag_len(text: str) -> int:

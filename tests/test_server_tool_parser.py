@@ -120,3 +120,26 @@ def test_stream_content_equals_whole(pieces: list[str]) -> None:
 def test_stream_lookalike_tag_is_released() -> None:
     text, calls, _ = stream(["a <tool", "box> b"])
     assert text == "a <toolbox> b" and calls == []
+
+
+def test_block_extent_is_its_json_so_arguments_may_hold_the_close_tag() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {"note": "a</tool_call>b", "a": 1}}</tool_call>'
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None and [args(c) for c in calls] == [{"note": "a</tool_call>b", "a": 1}]
+    streamed, calls, _ = stream([text[:30], text[30:]])
+    assert streamed == "" and len(calls) == 1
+    # JSON, then something other than the close tag: not a call.
+    junk = '<tool_call>{"name": "add", "arguments": {}} trailing</tool_call>'
+    assert parse_tool_calls(junk, NAMES) == (junk, [])
+
+
+def test_under_the_union_grammar_a_bare_json_answer_is_never_a_call() -> None:
+    """With tools and a response_format, a bare JSON object is the answer (validated against the answer's schema
+    only): reading it as a call would hand the client arguments no tool schema checked."""
+    answer = '{"name": "add", "arguments": {"a": "not an integer"}}'
+    assert parse_tool_calls(answer, NAMES, bare_json=False) == (answer, [])
+    filt = ToolCallStream(NAMES, bare_json=False)
+    assert filt.feed('{"name": "add", ') == '{"name": "add",'  # the answer streams at once
+    assert filt.feed('"arguments": {}}') == ' "arguments": {}}' and filt.finish() == ("", [])
+    block = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    assert [c.name for c in parse_tool_calls(block, NAMES, bare_json=False)[1]] == ["add"]
