@@ -55,7 +55,8 @@ class Program:
 
     # --- running --------------------------------------------------------------------------------------------
     def run(self, *args: Any, backend: Backend | None = None, stream: bool = False, **kwargs: Any) -> ProgramState:
-        """Run the program and return its final state; raise the first error no read inside the program raised.
+        """Run the program and return its final state; raise the error that escaped the program function, else the
+        first error no read inside the program raised.
 
         With ``stream=True`` it returns at once while the program runs in the background: read the text as it is
         generated with ``state.text_iter(name)``; any other read waits for the end (and raises errors then).
@@ -72,7 +73,7 @@ class Program:
             return state
         state = ProgramState(executor)
         self._drive(state, args, program_kwargs)
-        err = executor.unseen_error()
+        err = executor.escaped or executor.unseen_error()
         if err is not None:
             raise err
         return state
@@ -109,7 +110,7 @@ class Program:
             states = list(pool.map(one, items))
         if raise_errors:
             for state in states:
-                err = state._exec.unseen_error()
+                err = state._exec.escaped or state._exec.unseen_error()
                 if err is not None:
                     raise err
         return states
@@ -121,6 +122,7 @@ class Program:
         try:
             state.ret_value = self.fn(state, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - kept in the state, raised by run() or by a read
+            executor.escaped = exc
             executor.fail(exc)
         finally:
             executor.end()

@@ -46,6 +46,9 @@ class _Executor:
         self.turns = 0  # (worker) turns written so far
         self.error: BaseException | None = None
         self.error_seen = False
+        # What escaped the program function: raised by run() even when a read inside the program raised it first
+        # (``return s["var"]`` on a failed generation reads, and so "sees", the error it then lets escape).
+        self.escaped: BaseException | None = None
         self.closed = False
         self.children: list[_Executor] = []
         self._cond = threading.Condition()

@@ -3,7 +3,9 @@ batches. No model and no server; the real model is exercised in test_lang_real.p
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -340,6 +342,33 @@ def test_backend_errors_surface_with_the_servers_message() -> None:
         failed[1].text()
 
 
+def test_an_error_that_escapes_the_program_is_raised_even_after_a_read() -> None:
+    """``return s["a"]`` on a failed generation reads the error (marking it seen) and lets it escape: run() and
+    run_batch() used to return as if the program had succeeded."""
+    backend = FakeBackend()
+    backend.fail_on = "BAD"
+
+    @function
+    def prog(s, tail: str) -> str:
+        s += "x " + tail + gen("a")
+        return s["a"]
+
+    with pytest.raises(BackendError, match="max_new_tokens"):
+        prog.run(tail="BAD", backend=backend)
+    with pytest.raises(BackendError, match="max_new_tokens"):
+        prog.run_batch([{"tail": "ok"}, {"tail": "BAD"}], backend=backend)
+
+    @function
+    def reads_twice(s) -> str:
+        s += "BAD" + gen("a")
+        with contextlib.suppress(BackendError):
+            s["a"]
+        return s["a"]  # not caught this time
+
+    with pytest.raises(BackendError):
+        reads_twice.run(backend=backend)
+
+
 def test_branch_errors_are_raised_unless_read() -> None:
     backend = FakeBackend()
     backend.fail_on = "BAD"
@@ -376,3 +405,47 @@ def test_branch_errors_are_raised_unless_read() -> None:
     streamed = python_error.run(backend=backend, stream=True)
     with pytest.raises(KeyError, match="from the program"):
         list(streamed.text_iter("never"))
+
+
+def _one_shot_server(reply: bytes) -> str:
+    """A loopback server that answers one request with ``reply`` (raw HTTP) and closes the connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            while len(body) < length:  # read it all: closing on unread data would reset the connection
+                body += conn.recv(65536)
+            conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_runtime_endpoint_failures_are_backend_errors() -> None:
+    """Values JSON cannot carry once read as "cannot reach the server"; a stream cut short raised requests' own
+    exception instead of a BackendError."""
+    from lang import RuntimeEndpoint
+
+    @function
+    def prog(s, **kw: Any) -> None:
+        s += "x" + gen("a", max_tokens=4, **kw)
+
+    nowhere = RuntimeEndpoint("http://127.0.0.1:9")  # never contacted: the body fails to encode first
+    with pytest.raises(BackendError, match="cannot be sent as JSON"):
+        prog.run(backend=nowhere, temperature=float("nan"))
+    with pytest.raises(BackendError, match="cannot be sent as JSON"):
+        prog.run(backend=nowhere, stop={"x"})
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+    cut = _one_shot_server(head + b'data: {"text": "ab", "output_ids": [1, 2], "meta_info": {}}\n\n')
+    state = prog.run(backend=RuntimeEndpoint(cut), stream=True)
+    with pytest.raises(BackendError, match="ended without"):
+        list(state.text_iter("a"))
+    garbled = _one_shot_server(head + b"data: {not json\n\n")
+    with pytest.raises(BackendError, match="not JSON"):
+        list(prog.run(backend=RuntimeEndpoint(garbled), stream=True).text_iter("a"))

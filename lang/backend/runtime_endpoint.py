@@ -46,8 +46,13 @@ class RuntimeEndpoint(Backend):
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, stream: bool = False) -> Any:
         """The response (``stream``) or its JSON; ``BackendError`` on any failure."""
         url = self.base_url + path
+        try:  # encoded here, strictly: requests would report a nan or a set as "cannot reach the server"
+            data = None if body is None else json.dumps(body, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            raise BackendError(f"the request to {path} cannot be sent as JSON: {exc}") from None
+        headers = None if data is None else {"Content-Type": "application/json"}
         try:
-            resp = self._session().request(method, url, json=body, stream=stream, timeout=self.timeout)
+            resp = self._session().request(method, url, data=data, headers=headers, stream=stream, timeout=self.timeout)
         except requests.RequestException as exc:
             raise BackendError(f"cannot reach the server at {self.base_url}: {exc}") from None
         if resp.status_code >= 400:
@@ -83,7 +88,7 @@ class RuntimeEndpoint(Backend):
         last: dict[str, Any] | None = None
         sent = ""
         with self._call("POST", "/generate", body, stream=True) as resp:
-            for payload in _events(resp):
+            for payload in _events(resp, self.base_url):
                 text = payload.get("text", "")
                 if not text.startswith(sent):
                     raise BackendError(f"the server's stream rewrote text already sent ({sent!r} -> {text!r})")
@@ -135,16 +140,27 @@ def _http_error(resp: requests.Response) -> BackendError:
         return BackendError(resp.text[:500] or str(resp.reason), resp.status_code)
 
 
-def _events(resp: requests.Response) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream (UTF-8 decoded here: requests would assume Latin-1 for text/*)."""
-    for raw in resp.iter_lines():
-        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+def _events(resp: requests.Response, base_url: str) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream (UTF-8 decoded here: requests would assume Latin-1 for text/*); a
+    connection lost mid-stream or a garbled event is a ``BackendError`` like any other failure."""
+    lines = resp.iter_lines()
+    while True:
+        try:
+            raw = next(lines, None)
+        except requests.RequestException as exc:
+            raise BackendError(f"the stream from {base_url} broke off: {exc}") from None
+        if raw is None:
+            raise BackendError(f"the stream from {base_url} ended without [DONE]")
+        line = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
         if not line.startswith("data: "):
             continue
         data = line[len("data: ") :]
         if data == "[DONE]":
             return
-        payload = json.loads(data)
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            raise BackendError(f"the stream from {base_url} sent an event that is not JSON: {data[:200]!r}") from None
         if "error" in payload:
             err = payload["error"]
             code = err.get("code")
