@@ -206,6 +206,46 @@ def test_flush_cache_fans_out() -> None:
         assert resp.json()["replicas"]["b"]["status"] == 400
 
 
+def test_a_request_that_breaks_two_replicas_is_not_sent_to_a_third() -> None:
+    """A request that kills its replica (a poison input) was retried on every replica in turn."""
+    crash = lambda p, h: ReplicaUnavailable("server disconnected without a response", dead=False)  # noqa: E731
+    transport = FakeTransport({"a": crash, "b": crash, "c": ok_json()})
+    with fake_router(transport) as client:
+        resp = client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 502 and "not sent to more" in resp.json()["error"]["message"]
+        _assert_openai_error(resp.json(), "replica_failed")
+        assert {c[0] for c in transport.calls} == {"a", "b"}
+
+
+def test_routes_the_dsl_and_clients_need_reach_a_replica() -> None:
+    """/tokenize and /server_info (the DSL's select, roles, cache_stats), /v1/models/{id}, /abort_request and
+    HEAD /health answered 404/405 through the router."""
+    def missing(path: str, headers: Headers) -> FakeUpstream:  # b serves, but does not run request r1
+        if path == "/abort_request":
+            return FakeUpstream(404, [b'{"error": {"code": "request_not_found"}}'])
+        return FakeUpstream(200, [b"{}"])
+
+    transport = FakeTransport({"a": ok_json({"from": "a"}), "b": missing})
+    with fake_router(transport, policy="round_robin") as client:
+        for method, path in (("POST", "/tokenize"), ("GET", "/server_info"), ("GET", "/v1/models/tiny")):
+            resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
+            assert resp.status_code == 200, (path, resp.text)
+        assert {path for _, path, _ in transport.calls} == {"/tokenize", "/server_info", "/v1/models/tiny"}
+        resp = client.post("/abort_request", json={"rid": "r1"})
+        assert resp.status_code == 200 and resp.json() == {"success": True, "replicas": ["a"]}
+        assert client.head("/health").status_code == 200
+    with fake_router(FakeTransport({"b": missing})) as client:
+        resp = client.post("/abort_request", json={"rid": "r1"})
+        assert resp.status_code == 404
+        _assert_openai_error(resp.json(), "request_not_found")
+
+
+def test_worker_urls_are_checked_before_the_router_starts() -> None:
+    for url in ("http://127.0.0.1:99999", "http://[::1", "ftp://host", "http://:80"):
+        with pytest.raises(ValueError, match="worker-urls"):
+            RouterConfig(worker_urls=(url,))
+
+
 # --- two real replicas on a tiny model ------------------------------------------------------------------------
 
 REPLICA_FLAGS = ["--device", "cpu", "--max-total-tokens", "8192", "--log-level", "warning"]

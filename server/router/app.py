@@ -6,9 +6,11 @@ passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve in
 Routes:
   * POST /v1/chat/completions, /v1/completions, /generate: routed by the policy on the request's text, streamed
     through when the replica streams (``server.router.proxy``);
-  * GET /v1/models: from the least loaded healthy replica;
+  * GET /v1/models, /v1/models/{model}, /server_info and POST /tokenize: from the least loaded healthy replica
+    (every replica serves the same model; /server_info is that replica's own engine and cache);
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
-  * GET /health: 200 while at least one replica is healthy, else 503 (no API key needed);
+  * POST /abort_request: sent to every healthy replica; 200 naming those that ran the rid, else 404;
+  * GET / HEAD /health: 200 while at least one replica is healthy, else 503 (no API key needed);
   * GET /router_info: per replica health, load, tree size and counters, and the policy's routing statistics.
 A background task checks every replica's health every ``--health-check-interval`` seconds: a failed check takes
 a replica out of rotation (and clears its tree), a passed one brings it back.
@@ -30,7 +32,7 @@ from server.deps import require_api_key
 from server.errors import install_error_handlers
 from server.limits import RequestLimits
 from server.router.config import RoutingConfig
-from server.router.proxy import ClientGone, Forwarder
+from server.router.proxy import ClientGone, Forwarder, error_response
 from server.router.replicas import ReplicaPool
 from server.router.transport import Transport
 
@@ -112,12 +114,47 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def generate(request: Request) -> Response:
         return await _routed(request, "/generate")
 
-    @api.get("/v1/models", summary="The served models, from one healthy replica")
-    async def models(request: Request) -> Response:
+    async def _one(request: Request, method: str, path: str) -> Response:
+        """To the least loaded healthy replica (every replica serves the same model and tokenizer)."""
+        body = await request.body() if method == "POST" else b""
         try:
-            return await _state(request).forwarder.forward(request, "GET", "/v1/models", b"", None)
+            return await _state(request).forwarder.forward(request, method, path, body, None)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+
+    @api.get("/v1/models", summary="The served models, from one healthy replica")
+    async def models(request: Request) -> Response:
+        return await _one(request, "GET", "/v1/models")
+
+    @api.get("/v1/models/{model:path}", summary="One served model, from one healthy replica")
+    async def model(request: Request, model: str) -> Response:
+        return await _one(request, "GET", f"/v1/models/{model}")
+
+    @api.post("/tokenize", summary="Tokenize (or render a chat), on one healthy replica")
+    async def tokenize(request: Request) -> Response:
+        return await _one(request, "POST", "/tokenize")
+
+    @api.get("/server_info", summary="One healthy replica's engine state (each replica has its own cache)")
+    async def server_info(request: Request) -> Response:
+        return await _one(request, "GET", "/server_info")
+
+    @api.post("/abort_request", summary="Abort a request on whichever replica runs it")
+    async def abort_request(request: Request) -> JSONResponse:
+        state = _state(request)
+        body = await request.body()
+        targets = list(state.pool.candidates())
+        answers = await asyncio.gather(
+            *(state.transport.call(rid, "POST", "/abort_request", FLUSH_TIMEOUT_S, body) for rid in targets)
+        )
+        found = [rid for rid, (status, _) in zip(targets, answers) if status == 200]
+        if found:
+            return JSONResponse({"success": True, "replicas": found})
+        client_errors = [answer for status, answer in answers if status == 400]
+        if client_errors:  # a malformed body: every replica says so alike
+            return JSONResponse(client_errors[0], status_code=400)
+        message = "no replica runs a request with that rid" if targets else "no healthy replica"
+        code = "request_not_found" if targets else "no_healthy_replica"
+        return error_response(404 if targets else 503, message, code)
 
     @api.post("/flush_cache", summary="Flush every healthy replica's prefix cache")
     async def flush_cache(request: Request) -> JSONResponse:
@@ -141,7 +178,7 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
         state = _state(request)
         return {**state.pool.info(), "health_checks": state.health_checks}
 
-    @open_routes.get("/health", summary="200 while at least one replica is healthy")
+    @open_routes.api_route("/health", methods=["GET", "HEAD"], summary="200 while at least one replica is healthy")
     async def health(request: Request) -> JSONResponse:
         pool = _state(request).pool
         healthy = sum(r.healthy for r in pool.replicas.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from runtime import envs
 from runtime.config import add_arguments
@@ -93,9 +94,10 @@ class RouterConfig:
         urls = tuple(u.strip().rstrip("/") for u in self.worker_urls if u.strip())
         if not urls:
             raise ValueError("--worker-urls needs at least one replica URL (http://host:port)")
-        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        bad = [u for u in urls if not _replica_url(u)]
         if bad:
-            raise ValueError(f"--worker-urls must be http:// or https:// URLs, got {', '.join(bad)}")
+            why = "must be http:// or https:// URLs with a host (port 1-65535)"
+            raise ValueError(f"--worker-urls {why}, got {', '.join(bad)}")
         if len(set(urls)) != len(urls):
             raise ValueError("--worker-urls lists a URL twice")
         object.__setattr__(self, "worker_urls", urls)
@@ -166,3 +168,13 @@ class _ListFlags:
 def add_config_arguments(parser: argparse.ArgumentParser | Any, cls: type) -> None:
     """``runtime.config.add_arguments`` for ``cls``, with list-valued fields as ``nargs="+"`` flags."""
     add_arguments(_ListFlags(parser, cls), cls)  # type: ignore[arg-type]
+
+
+def _replica_url(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL with a host and a valid port, if any (urllib raises on a bad one)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and (port is None or 0 < port < 65536)

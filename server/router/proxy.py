@@ -4,7 +4,9 @@ Retry rule (see ``server.router.transport``): a request goes to another replica 
 with a status line, or answered 503 (not serving: loading, draining, engine dead) or 429 (queue full) while
 another candidate remains. A replica that refused the connection or answered 503 is marked unhealthy at once; one
 whose connection failed before answering is tried at most twice (the failure may be one stale connection). Each
-replica is thus tried a bounded number of times and the loop ends. Once a status line has arrived the request
+replica is thus tried a bounded number of times and the loop ends. A request whose connection broke before an
+answer on ``MAX_BROKEN_REPLICAS`` different replicas is not sent to a third (a 502): it may be what kills them, and
+one poison request must not take down the whole fleet. Once a status line has arrived the request
 belongs to that replica: if it then dies, a JSON answer becomes a 502 and a stream gets an error event and
 ``[DONE]``, both in OpenAI's error shape.
 
@@ -126,6 +128,7 @@ class Forwarder:
     """Forwards requests over ``transport`` to the replicas of ``pool``."""
 
     MAX_TRANSIENT_FAILURES = 2  # per replica and request: connection failures before a status line
+    MAX_BROKEN_REPLICAS = 2  # per request: replicas whose connection broke after it was sent
 
     def __init__(self, pool: ReplicaPool, transport: Transport) -> None:
         self.pool = pool
@@ -146,6 +149,7 @@ class Forwarder:
         headers = forwarded_headers(request.headers)
         excluded: set[str] = set()
         transient: dict[str, int] = {}
+        broken: set[str] = set()
         while True:
             if text is None:
                 replica = self.pool.least_loaded(excluded)
@@ -167,6 +171,12 @@ class Forwarder:
                     self.pool.mark_dead(replica, str(exc))
                 if exc.dead or transient[replica] >= self.MAX_TRANSIENT_FAILURES:
                     excluded.add(replica)
+                if not exc.dead:
+                    broken.add(replica)
+                    if len(broken) >= self.MAX_BROKEN_REPLICAS:
+                        logger.warning("request to %s broke the connection to replicas %s; not retried", path, broken)
+                        why = f"the connection to {len(broken)} replicas broke while they had this request"
+                        return error_response(502, f"{why}; it is not sent to more", "replica_failed")
                 logger.info("replica %s did not take the request (%s); trying another", replica, exc)
                 continue
             except BaseException:  # ClientGone, cancellation: nothing to relay

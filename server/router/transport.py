@@ -77,10 +77,12 @@ class Transport(ABC):
         """Headers of the router's own calls (its API key for the replicas)."""
         return []
 
-    async def call(self, replica: str, method: str, path: str, timeout: float) -> tuple[int, Any]:
-        """The router's own request (e.g. /flush_cache): (status, parsed JSON or text), or (0, why) if it failed."""
+    async def call(self, replica: str, method: str, path: str, timeout: float, body: bytes = b"") -> tuple[int, Any]:
+        """The router's own request (e.g. /flush_cache; ``body`` is JSON): (status, parsed JSON or text), or
+        (0, why) if it failed."""
+        headers = self.own_headers() + ([("content-type", "application/json")] if body else [])
         try:
-            upstream = await asyncio.wait_for(self.open(replica, method, path, self.own_headers(), b""), timeout)
+            upstream = await asyncio.wait_for(self.open(replica, method, path, headers, body), timeout)
             try:
                 raw = await asyncio.wait_for(upstream.read(), timeout)
             finally:
