@@ -6,8 +6,9 @@ the tokenizer merges across it: a prompt ending in ``"Answer:"`` and a choice ``
 ``" yes"``; a prompt ending in ``"Answer: "`` and a choice ``"yes"`` give ``"Answer:" + " yes"`` too, where the
 prompt's own last token ``" "`` is replaced, and ``" yes"`` is scored (not ``"yes"`` after a dangling space).
 
-All choices go to the backend in one batched request with one ``start`` (the smallest boundary), so the shared
-prompt is computed once (or taken from the prefix cache); each choice then reads its own span.
+All choices go to the backend in batched requests (``SCORE_BATCH`` each) with one ``start`` (the smallest
+boundary), so the shared prompt is computed once (or taken from the prefix cache); each choice then reads its own
+span.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lang.backend.base import Backend
+
+# Choices scored per request to the backend (a server queues at most --max-queued-requests, 1024 by default).
+SCORE_BATCH = 256
+# What a greedy select counts for "this choice ended here" against another choice's next token: log(1/2).
+ENDS_HERE = math.log(0.5)
 
 
 @dataclass
@@ -59,7 +65,7 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
     prompt_ids, full = ids[0], ids[1:]
     starts = choice_spans(prompt_ids, full)
     start = min(starts)
-    rows = backend.prompt_logprobs(full, start)
+    rows = _prompt_logprobs(backend, full, start)
     token_lps = [row[s - start :] for row, s in zip(rows, starts)]
     means = [_mean(lps) for lps in token_lps]
     meta: dict[str, Any] = {
@@ -72,12 +78,16 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
     }
     if method == "greedy":
         scores = [lps[0] for lps in token_lps]
-        # Highest first-token log-probability; choices sharing first tokens are told apart by the next ones.
-        best = max(range(len(choices)), key=lambda i: (token_lps[i], -i))
+        # Highest first-token log-probability; choices sharing first tokens are told apart by the next ones. Where
+        # one choice ends and another goes on ("yes" / "yes please"), the longer wins only if its next token is
+        # likelier than not (a list compare would always prefer it, however unlikely its next token).
+        width = max(len(lps) for lps in token_lps)
+        padded = [lps + [ENDS_HERE] * (width - len(lps)) for lps in token_lps]
+        best = max(range(len(choices)), key=lambda i: (padded[i], -i))
     elif method == "unconditional":
         # The same tokens after only the token just before them: how likely the choice is without the content.
         context = [list(full[i][s - 1 :]) for i, s in enumerate(starts)]
-        uncond = [_mean(lps) for lps in backend.prompt_logprobs(context, 1)]
+        uncond = [_mean(lps) for lps in _prompt_logprobs(backend, context, 1)]
         meta["unconditional_logprobs"] = uncond
         scores = [m - u for m, u in zip(means, uncond)]
         best = _argmax(scores)
@@ -87,6 +97,15 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
     meta["scores"] = scores
     meta["probs"] = _softmax(scores)
     return SelectResult(best, choices[best], meta)
+
+
+def _prompt_logprobs(backend: Backend, ids: Sequence[Sequence[int]], start: int) -> list[list[float]]:
+    """``backend.prompt_logprobs`` in batches of ``SCORE_BATCH``: one request per choice, and a server refuses
+    more queued requests than its queue holds (a 429 that no retry could fix)."""
+    rows: list[list[float]] = []
+    for i in range(0, len(ids), SCORE_BATCH):
+        rows += backend.prompt_logprobs(list(ids[i : i + SCORE_BATCH]), start)
+    return rows
 
 
 def _argmax(values: Sequence[float]) -> int:

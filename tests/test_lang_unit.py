@@ -221,6 +221,36 @@ def test_select_methods() -> None:
     assert state["c"] == "red" and state.get_meta_info("c")["scores"] == [0.0, 0.0, 0.0]
 
 
+def test_greedy_select_between_a_choice_and_its_extension() -> None:
+    """["yes", "yes please"]: the longer one used to win on every tie of the first token, however unlikely its
+    next token; it now wins only if that token is likelier than not."""
+    backend = FakeBackend()
+
+    @function
+    def pick(s) -> None:
+        s += "Reply:" + select("r", ["yes", "yes please"], method="greedy")
+
+    backend.scores = {" yes": -0.2, " please": -50.0}
+    assert pick.run(backend=backend)["r"] == "yes"
+    backend.scores = {" yes": -0.2, " please": -0.1}
+    assert pick.run(backend=backend)["r"] == "yes please"
+
+
+def test_select_scores_many_choices_in_batches() -> None:
+    """1,500 choices were one request each at once: more than a server's queue holds (a 429 no retry fixes)."""
+    backend = FakeBackend()
+    choices = [f"c{i}" for i in range(1500)]
+
+    @function
+    def pick(s) -> None:
+        s += "Pick:" + select("c", choices)
+
+    backend.scores = {"c1234": 0.0}
+    assert pick.run(backend=backend)["c"] == "c1234"
+    sizes = [len(ids) for kind, (ids, _) in backend.calls if kind == "prompt_logprobs"]
+    assert sum(sizes) == 1500 and max(sizes) <= 256
+
+
 def test_select_validation() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         select("x", ["a", ""])

@@ -160,17 +160,19 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def flush_cache(request: Request) -> JSONResponse:
         state = _state(request)
         targets = list(state.pool.candidates())
+        if not targets:
+            return error_response(503, "no replica can flush its cache: none is healthy", "no_healthy_replica")
         answers = await asyncio.gather(
             *(state.transport.call(rid, "POST", "/flush_cache", FLUSH_TIMEOUT_S) for rid in targets)
         )
         results = {rid: {"status": status, "body": body} for rid, (status, body) in zip(targets, answers)}
-        ok = bool(targets) and all(status == 200 for status, _ in answers)
+        ok = all(status == 200 for status, _ in answers)
         if ok:
             status = 200
         elif any(s == 400 for s, _ in answers):
             status = 400  # a replica had requests running: retry when idle, as with one server
         else:
-            status = 502 if targets else 503
+            status = 502
         return JSONResponse({"success": ok, "replicas": results}, status_code=status)
 
     @api.get("/router_info", summary="Replicas' health and load, and routing statistics")

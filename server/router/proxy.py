@@ -198,7 +198,8 @@ class Forwarder:
             lease.release()
 
     async def _relay(self, request: Request, upstream: Upstream, lease: _Lease) -> Response:
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _SKIP_HEADERS]
+        # The router's own server adds Date and Server: the replica's would repeat them.
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _SKIP_HEADERS | {"date", "server"}]
         headers.append((REPLICA_HEADER, lease.replica))
         if upstream.content_type.startswith("text/event-stream"):
             return _RelayedStream(upstream, lease, headers)
