@@ -303,6 +303,19 @@ def test_server_errors_surface_as_exceptions(backend: RuntimeEndpoint) -> None:
     assert info.value.status is None
 
 
+def test_both_backends_refuse_text_that_is_not_unicode(backend: RuntimeEndpoint, lang_engine: Engine) -> None:
+    """A lone surrogate reached the tokenizer: a 500 over HTTP, a raw TypeError in process."""
+
+    @function
+    def odd(s) -> None:
+        s += "a\ud800" + gen("x", max_tokens=2)
+
+    for target in (backend, EngineBackend(lang_engine)):
+        with pytest.raises(BackendError) as info:
+            odd.run(backend=target)
+        assert info.value.status == 400, target
+
+
 def test_in_process_backend_matches_http(backend: RuntimeEndpoint, lang_engine: Engine) -> None:
     local = EngineBackend(lang_engine)
     kwargs = dict(q1="Name a fruit.", q2="Another one?", temperature=0)

@@ -68,6 +68,13 @@ class EngineBackend(Backend):
             message = f"{constraint.param}: constrained decoding is not available for this model: {exc}"
             raise BackendError(message, 400, constraint.param, "unsupported_constraint") from None
 
+    def _encode(self, text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # over HTTP the server refuses the body the same way
+            raise BackendError(f"the text is not valid Unicode (a lone surrogate at {exc.start})", 400) from None
+        return encode(self.engine.tokenizer, text, add_special_tokens=False)
+
     def _submit(self, ids: Sequence[int], params: SamplingParams) -> tuple[str, queue.SimpleQueue[ReqOutput]]:
         outputs: queue.SimpleQueue[ReqOutput] = queue.SimpleQueue()
         try:
@@ -125,18 +132,18 @@ class EngineBackend(Backend):
     ) -> GenOutput:
         params = self._params(sampling, return_logprob, top_logprobs_num)
         self._compile(sampling)
-        ids = encode(self.engine.tokenizer, prompt, add_special_tokens=False)
+        ids = self._encode(prompt)
         rid, outputs = self._submit(ids, params)
         res = self._wait(rid, outputs, on_text)
         return GenOutput(res.text, list(res.token_ids), self._meta(rid, len(ids), res, return_logprob))
 
     def prefill(self, prompt: str) -> dict[str, Any]:
-        ids = encode(self.engine.tokenizer, prompt, add_special_tokens=False)
+        ids = self._encode(prompt)
         rid, outputs = self._submit(ids, self._params({"max_new_tokens": 0}, False, 0))
         return self._meta(rid, len(ids), self._wait(rid, outputs, None), False)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return [encode(self.engine.tokenizer, t, add_special_tokens=False) for t in texts]
+        return [self._encode(t) for t in texts]
 
     def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
         if start < 1:
