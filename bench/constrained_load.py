@@ -12,9 +12,12 @@
     (refused when submitted), and regexes that outlast the compile timeout (``--grammar-compile-timeout``,
     shortened so the burst includes timeouts). Each bad
     constraint is unique, so no cached error helps. Every bad request must fail with a clear error and every good
-    one must finish; the wall time of the good ones with and without the burst is compared.
+    one must finish; the wall time of the good ones with and without the burst is compared. ``--fresh`` more
+    requests with schemas not compiled yet are sent last, alone and during the burst: their time to first token
+    is how long a new grammar waits behind the burst's compiles (``--grammar-screen off``: one queue, no slow lane).
 
     python -m bench.constrained_load [--model NAME] [--num-requests 16] [--max-tokens 96] [--rounds 3]
+                                     [--fresh 4] [--grammar-screen auto|off]
 """
 
 from __future__ import annotations
@@ -91,8 +94,8 @@ def bad_specs(n: int, seed: int, kinds: Sequence[str] = KINDS) -> list[tuple[str
             spec = ConstraintSpec("json_schema", {"type": "object", "properties": {tag: {"type": "strin"}}})
         elif kind == "unsupported keyword":
             spec = ConstraintSpec("json_schema", {"type": "array", "items": {"const": tag}, "uniqueItems": True})
-        elif kind == "over a limit":  # llguidance cannot build a regex for this integer range
-            spec = ConstraintSpec("json_schema", {"type": "integer", "minimum": -(2**63) + i, "maximum": 2**63 - 1})
+        elif kind == "over a limit":  # llguidance cannot build a number lexer for a bound past 64 bits
+            spec = ConstraintSpec("json_schema", {"type": "integer", "minimum": 10**20 + i})
         elif kind == "forced stretch":  # forces 360 KB (~1 s of lexer work): refused when submitted
             spec = ConstraintSpec("regex", f"{tag}(b{{{600 + i}}}){{600}}")
         else:  # \p{L} hides it from the static check: ~120 ms of lexer work, past the shortened timeout
@@ -114,18 +117,22 @@ class _Outcome:
         self.done = threading.Event()
         self.tokens = 0
         self.meta: ReqOutput | None = None
+        self.first_at = 0.0
         self.finished_at = 0.0
 
     def __call__(self, out: ReqOutput) -> None:
         self.tokens += len(out.token_ids)
+        if out.token_ids and not self.first_at:
+            self.first_at = time.perf_counter()
         if out.finished:
             self.meta, self.finished_at = out, time.perf_counter()
             self.done.set()
 
 
 def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], bad: list[SamplingParams],
-             bad_prompt: list[int]) -> dict[str, Any]:
-    """Submit ``bad`` then the good requests at the same moment; time the good ones to their last finish."""
+             bad_prompt: list[int], fresh: Sequence[SamplingParams] = ()) -> dict[str, Any]:
+    """Submit ``bad`` then the good requests at the same moment; time the good ones to their last finish. ``fresh``
+    requests (schemas not compiled yet) come last: their time to first token shows how long a new grammar waits."""
     steps0 = engine.server_info()["cache_stats"]["forward_steps"]
     start = time.perf_counter()
     bad_runs = [_Outcome() for _ in bad]
@@ -134,7 +141,10 @@ def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
     good_runs = [_Outcome() for _ in params]
     for ids, p, sink in zip(prompts, params, good_runs, strict=True):
         engine.submit(ids, p, sink)
-    for sink in good_runs + bad_runs:
+    fresh_runs = [_Outcome() for _ in fresh]
+    for ids, p, sink in zip(prompts, fresh, fresh_runs):
+        engine.submit(ids, p, sink)
+    for sink in good_runs + bad_runs + fresh_runs:
         sink.done.wait()
     steps = engine.server_info()["cache_stats"]["forward_steps"] - steps0
     for sink, p in zip(good_runs, params, strict=True):
@@ -150,6 +160,7 @@ def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
         "steps": steps,
         "errors": [s.meta.error for s in bad_runs if s.meta is not None],
         "error_after": [s.finished_at - start for s in bad_runs],
+        "fresh_first": [s.first_at - start for s in fresh_runs],
     }
 
 
@@ -164,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated kinds of bad constraint, of {KINDS}")
     p.add_argument("--grammar-compile-timeout", type=float, default=0.1,
                    help="seconds, set after the warm-up; shortened so that the burst includes compile timeouts")
+    p.add_argument("--fresh", type=int, default=4,
+                   help="requests with schemas not compiled yet, sent after the good ones (alone and in the burst)")
+    p.add_argument("--grammar-screen", choices=("auto", "off"), default="auto",
+                   help="the compiler's screening into a slow lane under a queue (auto, the default) or none")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -181,6 +196,12 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{m} output tokens, {args.rounds} rounds, burst of {args.burst}", flush=True)
     run_good(engine, prompts, constrained, [], prompts[0])  # warm-up: compiles (then cached), first masks
     engine.grammar.compiler.timeout_s = args.grammar_compile_timeout  # for the burst only: the good ones are cached
+    engine.grammar.compiler.screen = None if args.grammar_screen == "auto" else False
+
+    def fresh(r: int, label: str) -> list[SamplingParams]:
+        """Schemas no round compiled before (a unique comment); one token each, so they hardly add load."""
+        return [SamplingParams(max_new_tokens=1, temperature=0.0, constraint=ConstraintSpec(
+            "json_schema", {**schema_for(k, m), "$comment": f"{label} {r}-{k}"})) for k in range(args.fresh)]
 
     def mode(jump: bool) -> None:
         engine.call(lambda core: setattr(core, "jump_forward", jump))
@@ -195,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         runs["masked"].append(run_good(engine, prompts, constrained, [], prompts[0]))
         mode(True)
         engine.flush_cache()
-        runs["jump"].append(run_good(engine, prompts, constrained, [], prompts[0]))
+        runs["jump"].append(run_good(engine, prompts, constrained, [], prompts[0], fresh(r, "alone")))
         engine.flush_cache()
         bad = [SamplingParams(max_new_tokens=m, constraint=s) for _, s in bad_specs(args.burst, r, kinds)]
-        runs["burst"].append(run_good(engine, prompts, constrained, bad, prompts[0]))
+        runs["burst"].append(run_good(engine, prompts, constrained, bad, prompts[0], fresh(r, "burst")))
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]['wall']:.1f} s" for k, v in runs.items()),
               file=sys.stderr, flush=True)
 
@@ -228,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     after = sorted(t for run in runs["burst"] for t in run["error_after"])
     print(f"bad requests answered after: median {statistics.median(after):.2f} s, max {after[-1]:.2f} s (timeouts "
           "queue behind the compiles they abandoned, which cannot be interrupted)")
+    if args.fresh:
+        alone_first = statistics.median(t for run in runs["jump"] for t in run["fresh_first"])
+        burst_first = statistics.median(t for run in runs["burst"] for t in run["fresh_first"])
+        print(f"requests with a new schema ({args.fresh} per round), first token after: median {alone_first:.2f} s "
+              f"alone, {burst_first:.2f} s during the burst (--grammar-screen {args.grammar_screen})")
     engine.shutdown()
 
 

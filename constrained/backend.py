@@ -93,7 +93,10 @@ class GrammarBackend(Protocol):
     name: str
 
     def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
-        """Blocking compilation; raises ``GrammarError``. Safe to call from several threads at once."""
+        """Blocking compilation; raises ``GrammarError``. Safe to call from several threads at once.
+
+        A backend may also offer ``screen(spec) -> (passed, grammar text)``, a cheap trial the compiler runs under
+        a queue, and then takes ``compile(spec, grammar=text)`` (see ``LLGuidanceBackend.screen``)."""
         ...
 
 
@@ -261,16 +264,18 @@ class LLGuidanceBackend:
         except ValueError as exc:
             raise GrammarError(f"invalid grammar: {clean_message(str(exc))}") from None
 
-    def compile(self, spec: ConstraintSpec) -> LLGuidanceGrammar:
-        return self._compile(spec, self.limits)
+    def compile(self, spec: ConstraintSpec, grammar: str = "") -> LLGuidanceGrammar:
+        """``grammar``: the text ``screen`` returned for ``spec`` (saves building it again), else built here."""
+        return self._compile(spec, self.limits, grammar)
 
-    def screen(self, spec: ConstraintSpec) -> bool:
-        r"""Whether ``spec`` compiles on a tenth of the lexer budget (the result is dropped).
+    def screen(self, spec: ConstraintSpec) -> tuple[bool, str]:
+        r"""Whether ``spec`` compiles on a tenth of the lexer budget (the matcher is dropped), and its grammar text
+        for ``compile``.
 
         Raises ``GrammarError`` for what no budget changes (the schema rewrite, the regex or grammar syntax);
-        returns False when only the small budget failed, for a compile on the full one to decide. Every
-        JSONSchemaBench schema that compiles at all passes, while pathological grammars (``\p{L}(b{600}){600}``)
-        fail here in ~2 ms instead of ~120 ms: the compiler uses it to keep those off its fast lane.
+        False means only the small budget failed, for a compile on the full one to decide. Every JSONSchemaBench
+        schema that compiles at all passes, while pathological grammars (``\p{L}(b{600}){600}``) fail here in a
+        few ms instead of ~120 ms: the compiler uses it to keep those off its fast lane.
         """
         grammar = self.grammar_text(spec)
         problem = llguidance.LLMatcher.validate_grammar(grammar)  # no lexer built: ~1 ms
@@ -278,12 +283,12 @@ class LLGuidanceBackend:
             error = _error(spec, problem)
             if error.kind in ("invalid", "unsupported") and not _RECURSION.search(problem):
                 raise error
-            return False  # a size or recursion problem: the full compile (with its reshaping retry) decides
+            return False, grammar  # a size or recursion problem: the full compile (and its reshaping) decides
         try:
             self._compile(spec, self.screen_limits, grammar)
         except GrammarError:
-            return False
-        return True
+            return False, grammar
+        return True, grammar
 
     def _compile(self, spec: ConstraintSpec, limits: llguidance.LLParserLimits, grammar: str = "") -> LLGuidanceGrammar:
         matcher = self._matcher(grammar or self.grammar_text(spec), limits)

@@ -66,6 +66,7 @@ class _Job:
     demoted: bool = False
     slow: bool = False  # failed the backend's screening: compiled in the slow lane
     screen: bool = False  # screen it before compiling (decided when it starts in the fast lane)
+    grammar: str = ""  # the backend's grammar text, once the screening built it
 
 
 @dataclass
@@ -270,8 +271,13 @@ class GrammarCompiler:
         screen = getattr(self.backend, "screen", None) if job.screen else None
         to_slow_lane = False
         try:
-            if screen is not None and not screen(job.spec):
+            passed = True
+            if screen is not None:
+                passed, job.grammar = screen(job.spec)
+            if not passed:
                 to_slow_lane = True
+            elif job.grammar:  # built by the screening (here or in the fast lane): a backend that screens takes it
+                result = self.backend.compile(job.spec, grammar=job.grammar)  # type: ignore[call-arg]
             else:
                 result = self.backend.compile(job.spec)
         except GrammarError as exc:

@@ -410,7 +410,7 @@ def test_close_fails_a_job_the_screening_sends_to_the_slow_lane(info) -> None:
 
         def screen(self, spec):
             time.sleep(0.3)
-            return False
+            return False, ""
 
         def compile(self, spec):
             raise AssertionError("not reached")
