@@ -142,7 +142,7 @@ def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
     for ids, p, sink in zip(prompts, params, good_runs, strict=True):
         engine.submit(ids, p, sink)
     fresh_runs = [_Outcome() for _ in fresh]
-    for ids, p, sink in zip(prompts, fresh, fresh_runs):
+    for ids, p, sink in zip(prompts, fresh, fresh_runs, strict=False):  # --fresh <= --num-requests (checked)
         engine.submit(ids, p, sink)
     for sink in good_runs + bad_runs + fresh_runs:
         sink.done.wait()
@@ -151,6 +151,9 @@ def run_good(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
         meta = sink.meta
         if meta is None or meta.finish_reason != FinishReason.LENGTH or sink.tokens != p.max_new_tokens:
             raise RuntimeError(f"a good request did not run to --max-tokens: {meta}")
+    for sink in fresh_runs:
+        if sink.meta is None or sink.meta.error or not sink.first_at:
+            raise RuntimeError(f"a request with a new schema did not produce a token: {sink.meta}")
     unclear = [s.meta for s in bad_runs if s.meta is None or "invalid constraint" not in (s.meta.error or "")]
     if unclear:
         raise RuntimeError(f"a bad request did not fail with a clear error: {unclear[0]}")
@@ -181,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="the compiler's screening into a slow lane under a queue (auto, the default) or none")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
+    if not 0 <= args.fresh <= args.num_requests:
+        p.error("--fresh takes 0 to --num-requests")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or set(kinds) - set(KINDS):
         p.error(f"--kinds takes names from {KINDS}")

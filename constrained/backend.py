@@ -281,7 +281,9 @@ class LLGuidanceBackend:
         problem = llguidance.LLMatcher.validate_grammar(grammar)  # no lexer built: ~1 ms
         if problem:
             error = _error(spec, problem)
-            if error.kind in ("invalid", "unsupported") and not _RECURSION.search(problem):
+            # A union's error is traced to its failing part by the full compile (``_blame``), as without a queue.
+            final = error.kind in ("invalid", "unsupported") and not _RECURSION.search(problem)
+            if final and spec.kind != "tool_or_answer":
                 raise error
             return False, grammar  # a size or recursion problem: the full compile (and its reshaping) decides
         try:

@@ -190,11 +190,11 @@ _SIDES = (("minimum", "exclusiveMinimum", True), ("maximum", "exclusiveMaximum",
 
 
 def fit_number_bounds(out: Schema) -> None:
-    """Move every numeric bound the backend cannot hold exactly inward, to the nearest value it can: a double, and
-    within +-9e18; exclusive bounds from 2**53 on become inclusive ones at the next double inside. Values between
-    the old and the new bound are given up (for an int64 range, the outermost 2.4% on each side); no value the
-    user's bound excludes is ever admitted. A lower bound already above 9e18 (or an upper one below -9e18) has no
-    inward value the backend holds and is left for it to refuse."""
+    """Move every numeric bound the backend cannot hold exactly inward, to a value close by that it can (a double
+    whose shortest text is exact, within +-9e18); exclusive bounds from 2**53 on become inclusive ones just inside.
+    Values between the old and the new bound are given up (for an int64 range, the outermost 2.4% on each side);
+    no value the user's bound excludes is ever admitted. A lower bound already above 9e18 (or an upper one below
+    -9e18) has no inward value the backend holds and is left for it to refuse."""
     for node in schema_nodes(out):
         for inclusive, exclusive, lower in _SIDES:
             strict = node.get(exclusive)
@@ -242,10 +242,10 @@ def _past(value: int | float, lower: bool) -> int:
 
 
 def _held(value: int, lower: bool) -> int:
-    """The integer nearest to ``value`` on the inside (up for a lower bound) that the backend reads exactly both
-    ways it reads a bound: as a double (integer ranges) and as the decimal its shortest text spells (number ranges:
-    ``maximum: 2**60`` became 1152921504606847000 there). Rounding to a multiple of 10**k finds one for k <= 10
-    below 9e18 (a multiple of 10**10 is one of 2**10, the spacing of doubles there, and has few digits)."""
+    """The first multiple of 10**k (k = 0, 1, ...) at or inside ``value`` (up for a lower bound) that the backend
+    reads exactly both ways it reads a bound: as a double (integer ranges) and as the decimal its shortest text
+    spells (number ranges: ``maximum: 2**60`` became 1152921504606847000 there). Below 9e18 one is found for
+    k <= 10 (a multiple of 10**10 is one of 2**10, the spacing of doubles there, and has few digits)."""
     step = 1
     while True:
         held = -(-value // step) * step if lower else value // step * step

@@ -112,7 +112,7 @@ def rebase_refs(schema: Any, prefix: str) -> Any:
     """A copy of ``schema`` for embedding at JSON pointer ``prefix`` of a larger document: every local pointer
     ``$ref`` (``#``, ``#/...``) is re-pointed to the same place there. A schema with its own ``$id`` is a resource of
     its own (its references resolve against it wherever it sits) and is copied unchanged; so are data keywords."""
-    if isinstance(schema, dict) and root_id(schema) is not None:
+    if isinstance(schema, dict) and root_id(schema):  # a non-empty base (an id that is only "#frag" is none)
         return copy.deepcopy(schema)
 
     def walk(node: Any) -> Any:

@@ -54,24 +54,31 @@ class RequestConstraint:
     sub_params: tuple[tuple[str, str], ...] = ()
 
     def error(self, exc: GrammarError) -> APIError:
-        pointer = exc.pointer
-        if pointer is not None:
-            for prefix, param in self.sub_params:
-                if pointer == prefix or pointer.startswith(prefix + "/"):
-                    inner = pointer[len(prefix) :]
-                    message = str(exc).replace(f" at {pointer or '/'}", f" at {inner or '/'}", 1)
-                    return grammar_error(exc, param, message)
-        return grammar_error(exc, self.param)
+        return _mapped_error(exc, self.param, self.sub_params)
 
 
-def make_constraint(kind: ConstraintKind, value: Any, param: str) -> RequestConstraint:
-    """A checked constraint (its shape only: compiling comes later); a malformed value is a 400 at ``param``."""
+def _mapped_error(exc: GrammarError, param: str, sub_params: tuple[tuple[str, str], ...]) -> APIError:
+    pointer = exc.pointer
+    if pointer is not None:
+        for prefix, sub in sub_params:
+            if pointer == prefix or pointer.startswith(prefix + "/"):
+                inner = pointer[len(prefix) :]
+                message = str(exc).replace(f" at {pointer or '/'}", f" at {inner or '/'}", 1)
+                return grammar_error(exc, sub, message)
+    return grammar_error(exc, param)
+
+
+def make_constraint(
+    kind: ConstraintKind, value: Any, param: str, sub_params: tuple[tuple[str, str], ...] = ()
+) -> RequestConstraint:
+    """A checked constraint (its shape only: compiling comes later); a malformed value is a 400 at ``param``, or
+    at the field of ``sub_params`` whose part of the value is at fault."""
     try:
         spec = ConstraintSpec(kind, value)
         spec.validate()
     except GrammarError as exc:
-        raise grammar_error(exc, param) from None
-    return RequestConstraint(spec, param)
+        raise _mapped_error(exc, param, sub_params) from None
+    return RequestConstraint(spec, param, sub_params)
 
 
 def at_most_one(found: Sequence[RequestConstraint | None]) -> RequestConstraint | None:

@@ -81,8 +81,7 @@ def tool_or_answer_constraint(req: ChatCompletionRequest, fmt: RequestConstraint
     call, subs = _calls_schema(req, names, list(range(len(names))), "", errors_at="/call")
     answer = fmt.spec.value if fmt.spec.kind == "json_schema" else None
     value = {"call": call, "answer": answer, "parallel": bool(req.parallel_tool_calls)}
-    constraint = make_constraint("tool_or_answer", value, "tools")
-    return RequestConstraint(constraint.spec, constraint.param, (*subs, ("/answer", "response_format")))
+    return make_constraint("tool_or_answer", value, "tools", (*subs, ("/answer", "response_format")))
 
 
 def forced_tool_constraint(req: ChatCompletionRequest) -> RequestConstraint | None:
@@ -108,8 +107,7 @@ def forced_tool_constraint(req: ChatCompletionRequest) -> RequestConstraint | No
     schema, subs = _calls_schema(req, names, selected, base)
     if req.parallel_tool_calls:
         schema = {"type": "array", "items": schema, "minItems": 1}
-    constraint = make_constraint("json_schema", schema, "tools")
-    return RequestConstraint(constraint.spec, constraint.param, subs)
+    return make_constraint("json_schema", schema, "tools", subs)
 
 
 @dataclass

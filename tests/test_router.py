@@ -231,6 +231,8 @@ def test_routes_the_dsl_and_clients_need_reach_a_replica() -> None:
             resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
             assert resp.status_code == 200, (path, resp.text)
         assert {path for _, path, _ in transport.calls} == {"/tokenize", "/server_info", "/v1/models/tiny"}
+        client.get("/v1/models/a%3Fx%3D1")  # one path segment, sent as one (not a query string)
+        assert transport.calls[-1][1] == "/v1/models/a%3Fx%3D1"
         resp = client.post("/abort_request", json={"rid": "r1"})
         assert resp.status_code == 200 and resp.json() == {"success": True, "replicas": ["a"]}
         assert client.head("/health").status_code == 200

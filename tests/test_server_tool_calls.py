@@ -169,11 +169,27 @@ def test_tool_parameters_with_local_refs_still_resolve_once_wrapped() -> None:
     for kw in ({"tool_choice": "required"}, {"tool_choice": "required", "parallel_tool_calls": True}):
         forced = forced_tool_constraint(ChatCompletionRequest.model_validate({"messages": USER, "tools": tools, **kw}))
         assert forced is not None
-        schema = forced.spec.value
-        jsonschema.validate([good] if kw.get("parallel_tool_calls") else good, schema)
+        schema, one = forced.spec.value, (lambda call: [call]) if kw.get("parallel_tool_calls") else (lambda c: c)
+        jsonschema.validate(one(good), schema)  # an unresolvable $ref raises here
         with pytest.raises(jsonschema.ValidationError):
-            jsonschema.validate({"name": "weather", "arguments": bad}, schema if "items" not in schema else schema)
+            jsonschema.validate(one({"name": "weather", "arguments": bad}), schema)
     jsonschema.validate(good, union.spec.value["call"])
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "weather", "arguments": bad}, union.spec.value["call"])
     assert NESTED["properties"]["unit"] == {"$ref": "#/$defs/Unit"}  # the request's own schema is not touched
+
+
+def test_a_refused_pattern_in_tool_parameters_is_reported_at_that_tool() -> None:
+    """Refused when the constraint is made (a forced stretch): it used to reach the client at ``tools`` with the
+    wrapper's pointer."""
+    huge = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(a{1000}){1000}"}}}
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "spell", "parameters": huge}}]
+    for body, fmt in (
+        ({"tool_choice": "required"}, None),
+        ({}, response_format_constraint(JSON_OBJECT)),
+    ):
+        req = ChatCompletionRequest.model_validate({"messages": USER, "tools": tools, **body})
+        with pytest.raises(APIError) as info:
+            forced_tool_constraint(req) if fmt is None else tool_or_answer_constraint(req, fmt)
+        assert info.value.param == "tools[1].function.parameters", info.value.message
+        assert "at /properties/x/pattern" in info.value.message

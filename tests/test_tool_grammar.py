@@ -125,6 +125,17 @@ def test_errors_point_into_the_part_at_fault(compiler) -> None:
     assert err.value.pointer == "/answer" and "call_block" not in str(err.value)
 
 
+def test_screening_leaves_a_unions_error_to_the_full_compile(compiler) -> None:
+    """Under a queue the screening used to raise llguidance's error for the whole union, with the lines of its
+    grammar; the full compile traces it to the part at fault, so the client's 400 does not depend on load."""
+    spec = ConstraintSpec("tool_or_answer", {"call": CALL, "answer": {"type": "string", "pattern": "(?=a)b"}})
+    passed, grammar = compiler.backend.screen(spec)
+    assert not passed and grammar
+    with pytest.raises(GrammarError) as err:
+        compiler.backend.compile(spec, grammar=grammar)
+    assert err.value.pointer == "/answer/pattern" and "call_block" not in str(err.value)
+
+
 def test_measurement_backends_refuse_it_clearly(info) -> None:
     pytest.importorskip("xgrammar")
     with pytest.raises(GrammarError, match="use llguidance") as err:

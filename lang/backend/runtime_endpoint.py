@@ -160,7 +160,9 @@ def _events(resp: requests.Response, base_url: str) -> Iterator[dict[str, Any]]:
         try:
             payload = json.loads(data)
         except ValueError:
-            raise BackendError(f"the stream from {base_url} sent an event that is not JSON: {data[:200]!r}") from None
+            payload = None
+        if not isinstance(payload, dict) or not isinstance(payload.get("error", {}), dict):
+            raise BackendError(f"the stream from {base_url} sent an event that is not JSON: {data[:200]!r}")
         if "error" in payload:
             err = payload["error"]
             code = err.get("code")

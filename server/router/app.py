@@ -23,6 +23,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -128,7 +129,7 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
 
     @api.get("/v1/models/{model:path}", summary="One served model, from one healthy replica")
     async def model(request: Request, model: str) -> Response:
-        return await _one(request, "GET", f"/v1/models/{model}")
+        return await _one(request, "GET", f"/v1/models/{quote(model, safe='')}")  # one segment, never a path
 
     @api.post("/tokenize", summary="Tokenize (or render a chat), on one healthy replica")
     async def tokenize(request: Request) -> Response:
