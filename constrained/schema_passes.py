@@ -232,13 +232,9 @@ def _inward(value: int | float, lower: bool) -> int | float:
     return _held(int(value), lower)  # past 2**53 every double is an integer
 
 
-def _past(value: int | float, lower: bool) -> int:
+def _past(value: int | float, lower: bool) -> int | float:
     """The nearest value the backend holds strictly inside the exclusive bound ``value`` (not on the far side)."""
-    if lower and value < -BOUND_LIMIT:
-        return -BOUND_LIMIT
-    if not lower and value > BOUND_LIMIT:
-        return BOUND_LIMIT
-    return _held(math.floor(value) + 1 if lower else math.ceil(value) - 1, lower)
+    return _inward(math.floor(value) + 1 if lower else math.ceil(value) - 1, lower)
 
 
 def _held(value: int, lower: bool) -> int:

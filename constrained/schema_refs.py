@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
+from constrained.schema_types import DEFS, SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_ONE
+
 _MISSING = object()
 
 
@@ -98,14 +100,11 @@ def has_embedded_resources(doc: Any) -> bool:
     return False
 
 
-# Keywords whose value is a schema, a map of schemas or a list of schemas (draft 4 to 2020-12); everything else is
-# data (``enum``, ``const``, ``default``, ...) and is never rewritten.
-_ONE_SCHEMA = (
-    "additionalProperties", "additionalItems", "propertyNames", "not", "if", "then", "else", "contains", "items",
-    "unevaluatedProperties", "unevaluatedItems", "contentSchema",
-)
-_SCHEMA_MAP = ("properties", "patternProperties", "dependentSchemas", "dependencies", "$defs", "definitions")
-_SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# Where a raw user schema holds schemas (the rewriter's keyword sets, plus what it refuses or drops, since these
+# schemas are not rewritten yet); everything else is data (``enum``, ``const``, ``default``, ...), never touched.
+_ONE_SCHEMA = (*SCHEMA_ONE, "items", "unevaluatedProperties", "unevaluatedItems", "contentSchema")
+_SCHEMA_MAP = (*SCHEMA_MAPS, *DEFS, "dependencies")
+_SCHEMA_LIST = (*SCHEMA_LISTS, "items")
 
 
 def rebase_refs(schema: Any, prefix: str) -> Any:
