@@ -1,7 +1,6 @@
 """DSL programs on the real default model through a live server on loopback (and once in process).
 
-Token budgets are small: the 135M model runs on a couple of CPU cores. The regex / JSON-schema tests skip only
-while the server answers that those parameters need constrained decoding (detected at run time).
+Token budgets are small: the 135M model runs on a couple of CPU cores.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import time
 from collections.abc import Iterator
 from types import ModuleType
 
+import jsonschema
 import pytest
 import requests
 
@@ -37,7 +37,6 @@ from server.testing import ServerThread
 
 pytestmark = pytest.mark.real_model
 
-CONSTRAINED_MISSING = "requires constrained decoding"
 CONTEXT = (
     "The lighthouse keeper had not spoken to another person in forty-one days when the boat appeared on the "
     "horizon. He put down his coffee, buttoned his coat against the wind and walked down the hundred and twelve "
@@ -72,11 +71,6 @@ def wait_idle(backend: RuntimeEndpoint, timeout: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, info
         time.sleep(0.05)
-
-
-def skip_if_unconstrained(exc: BackendError) -> None:
-    if exc.status == 400 and CONSTRAINED_MISSING in exc.message:
-        pytest.skip(f"the server has no constrained decoding yet: {exc.message}")
 
 
 @function
@@ -168,17 +162,12 @@ def test_regex_gen_always_matches(backend: RuntimeEndpoint) -> None:
         s += user(f"Make up a phone number for {name}.")
         s += assistant("Number: " + gen("number", regex=pattern, max_tokens=16))
 
-    try:
-        states = phone.run_batch([{"name": n} for n in ("Ann", "Bob", "Cy")], backend=backend, temperature=0.8)
-    except BackendError as exc:
-        skip_if_unconstrained(exc)
-        raise
+    states = phone.run_batch([{"name": n} for n in ("Ann", "Bob", "Cy")], backend=backend, temperature=0.8)
     for state in states:
         assert re.fullmatch(pattern, state["number"]), state["number"]
 
 
 def test_json_schema_gen_always_parses(backend: RuntimeEndpoint) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
@@ -192,11 +181,7 @@ def test_json_schema_gen_always_parses(backend: RuntimeEndpoint) -> None:
         s += assistant(gen("json", json_schema=schema, max_tokens=48))
 
     texts = ["Maria is 31 years old.", "Tom, aged 7, likes trains.", "The pilot Ayo turned 45 today."]
-    try:
-        states = person.run_batch([{"text": t} for t in texts], backend=backend, temperature=0.8)
-    except BackendError as exc:
-        skip_if_unconstrained(exc)
-        raise
+    states = person.run_batch([{"text": t} for t in texts], backend=backend, temperature=0.8)
     for state in states:
         jsonschema.validate(json.loads(state["json"]), schema)
 
@@ -207,11 +192,7 @@ def test_constraints_on_both_backends(backend: RuntimeEndpoint, lang_engine: Eng
         s += "Ticket code: " + gen("code", regex=pattern, max_tokens=12)
 
     local = EngineBackend(lang_engine)
-    try:
-        remote_state = code.run(pattern=r"[A-Z]{2}[0-9]{3}", backend=backend, temperature=0)
-    except BackendError as exc:
-        skip_if_unconstrained(exc)
-        raise
+    remote_state = code.run(pattern=r"[A-Z]{2}[0-9]{3}", backend=backend, temperature=0)
     assert re.fullmatch(r"[A-Z]{2}[0-9]{3}", remote_state["code"])
     assert code.run(pattern=r"[A-Z]{2}[0-9]{3}", backend=local, temperature=0)["code"] == remote_state["code"]
     errors = []
