@@ -7,7 +7,9 @@ Fields (OpenAI chat and completions bodies, and /generate ``sampling_params``):
   * chat ``response_format``: ``{"type": "json_object"}`` is any JSON object; ``{"type": "json_schema",
     "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`` is that schema, enforced whatever ``strict``
     says (a grammar either enforces a schema or refuses it, never half of it);
-  * a forced tool call (chat ``tool_choice`` "required" or a named function, see ``server.tool_calls``).
+  * a forced tool call (chat ``tool_choice`` "required" or a named function, see ``server.tool_calls``);
+  * vLLM's spellings: ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``, and
+    ``structured_outputs`` with ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``.
 
 Invariants:
   * a request carries at most one constraint; two are a 400 naming both fields;
@@ -38,6 +40,26 @@ CONSTRAINT_FIELDS: dict[str, ConstraintKind] = {
     "choices": "choice",
 }
 NATIVE_PREFIX = "sampling_params."
+# vLLM's names for the same constraints.
+GUIDED_FIELDS: dict[str, ConstraintKind] = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_OUTPUT_KEYS: dict[str, ConstraintKind] = {
+    "json_": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+# structured_outputs options that change what a grammar allows, and what to do instead.
+STRUCTURED_OUTPUT_UNSUPPORTED = {
+    "structural_tag": "structural tags are not served; use tools with tool_choice, or a json schema",
+    "whitespace_pattern": "JSON whitespace follows the grammar engine's rules and cannot be set per request",
+    "disable_any_whitespace": "JSON whitespace follows the grammar engine's rules and cannot be set per request",
+    "disable_additional_properties": 'set "additionalProperties": false in the schema itself',
+}
 
 
 @dataclass(frozen=True)
@@ -104,8 +126,31 @@ def field_constraints(values: Mapping[str, Any], prefix: str = "") -> list[Reque
 
 
 def body_constraints(body: Any) -> list[RequestConstraint]:
-    """``field_constraints`` of an OpenAI request model."""
-    return field_constraints({name: getattr(body, name, None) for name in CONSTRAINT_FIELDS})
+    """The constraints of an OpenAI request model: its constraint fields and vLLM's spellings of them."""
+    found = field_constraints({name: getattr(body, name, None) for name in CONSTRAINT_FIELDS})
+    found += [
+        make_constraint(kind, getattr(body, name), name)
+        for name, kind in GUIDED_FIELDS.items()
+        if getattr(body, name, None) is not None
+    ]
+    outputs = getattr(body, "structured_outputs", None)
+    if outputs is not None:
+        found += _structured_outputs(outputs)
+    return found
+
+
+def _structured_outputs(outputs: Any) -> list[RequestConstraint]:
+    for key, why in STRUCTURED_OUTPUT_UNSUPPORTED.items():
+        if getattr(outputs, key) not in (None, False):
+            raise bad_request(f"structured_outputs.{key} is not supported: {why}", f"structured_outputs.{key}")
+    found = [
+        make_constraint(kind, getattr(outputs, key), f"structured_outputs.{key.rstrip('_')}")
+        for key, kind in STRUCTURED_OUTPUT_KEYS.items()
+        if getattr(outputs, key) is not None
+    ]
+    if outputs.json_object:
+        found.append(make_constraint("json_object", None, "structured_outputs.json_object"))
+    return found
 
 
 def native_constraint(raw: Mapping[str, Any]) -> RequestConstraint | None:

@@ -19,6 +19,7 @@ from server.constraints import compile_constraints, native_constraint
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
 from server.errors import APIError, bad_request, from_engine_error, request_failed
+from server.extra_fields import check_extra_fields
 from server.logprobs import native_logprobs, prompt_entries
 from server.metrics import CONTENT_TYPE
 from server.params import native_params
@@ -102,6 +103,7 @@ def _result(
 
 @router.post("/generate", summary="Generate from text or token ids (SGLang-compatible)")
 async def generate(body: GenerateRequest, request: Request, state: StateDep):
+    check_extra_fields(body, "/generate")
     engine = state.ready_engine()
     single, prompts = _prompts(body, engine.tokenizer)
     raw_params = body.sampling_params

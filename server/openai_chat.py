@@ -29,6 +29,7 @@ from server.constraints import (
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
 from server.errors import bad_request, request_failed
+from server.extra_fields import check_extra_fields
 from server.logprobs import chat_logprobs
 from server.params import budget, openai_params
 from server.protocol import ChatCompletionRequest
@@ -86,6 +87,7 @@ def _check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None
 
 @router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI-compatible)")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
+    check_extra_fields(body, "/v1/chat/completions")
     state.check_model(body.model)
     engine = state.ready_engine()
     constraint, forced = _check_options(body)

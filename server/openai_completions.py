@@ -22,6 +22,7 @@ from server.constraints import at_most_one, body_constraints, compile_constraint
 from server.deps import StateDep, require_api_key
 from server.engine_client import RequestGroup, Result
 from server.errors import bad_request
+from server.extra_fields import check_extra_fields
 from server.logprobs import completion_logprobs, prompt_entries
 from server.openai_chat import finish_reason, usage
 from server.params import budget, openai_params
@@ -66,6 +67,7 @@ def _prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[tu
 
 @router.post("/v1/completions", summary="Create a text completion (OpenAI-compatible)")
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
+    check_extra_fields(body, "/v1/completions")
     state.check_model(body.model)
     engine = state.ready_engine()
     constraint = at_most_one(body_constraints(body))

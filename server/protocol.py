@@ -1,6 +1,7 @@
 """Request bodies of the HTTP API as pydantic models, so FastAPI validates them and /openapi.json describes them.
 
-Unknown fields are accepted and ignored (clients send ``store``, ``metadata``, ``user``, ...). Range checks of
+Unknown top-level fields are kept (``model_extra``) for ``server.extra_fields``, which refuses those that would
+change the output and logs the rest (clients send ``store``, ``metadata``, ``user``, ...). Range checks of
 sampling parameters live in ``SamplingParams.validate`` (one place for every entry point); these models only
 check types and the few things that are about the request's shape.
 """
@@ -18,8 +19,11 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _NullIsDefault(_Lenient):
-    """A top-level ``null`` means "use the default": many client libraries send every known field."""
+class _NullIsDefault(BaseModel):
+    """A top-level ``null`` means "use the default": many client libraries send every known field. Unknown
+    fields are kept in ``model_extra`` (see ``server.extra_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
@@ -85,6 +89,26 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``, served
+    as the constraint fields below are. Unknown keys are a 400 (a misspelt key would leave the output free)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Accepted so that a request naming them gets a 400 saying why rather than one about an unknown key.
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    # Choices of vLLM's own machinery, with no effect on what a grammar allows.
+    backend: str | None = None
+    disable_fallback: bool | None = None
+
+
 class _SamplingFields(_NullIsDefault):
     """Parameters shared by /v1/chat/completions and /v1/completions, OpenAI's and the common extensions."""
 
@@ -116,6 +140,12 @@ class _SamplingFields(_NullIsDefault):
     ebnf: str | None = Field(None, description="The output must follow this Lark or GBNF/EBNF grammar.")
     grammar: str | None = Field(None, description="Same as ebnf.")
     choices: list[str] | None = Field(None, description="The output must be exactly one of these strings.")
+    # vLLM's spellings of the same constraints (guided_* before vLLM 0.11, then structured_outputs).
+    guided_json: dict[str, Any] | bool | str | None = Field(None, description="vLLM's name for json_schema.")
+    guided_regex: str | None = Field(None, description="vLLM's name for regex.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's name for choices.")
+    guided_grammar: str | None = Field(None, description="vLLM's name for ebnf.")
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
