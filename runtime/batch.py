@@ -19,6 +19,9 @@ class ScheduledChunk:
     start: int
     end: int
     sample: bool  # the chunk reaches the end of the sequence: sample the next token from its last position
+    # Decodes only: ``(group, length)`` when the first ``length`` slots are a cached prefix that the other decode
+    # rows of the same group share (the radix tree's node); attention reads that prefix once per group.
+    shared_prefix: tuple[int, int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -38,6 +41,11 @@ class BatchPlan:
     @property
     def num_decode(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
+
+    def split(self) -> tuple[BatchPlan, BatchPlan]:
+        """Two plans of half the chunks each, in order (so each keeps the decodes-first invariant)."""
+        mid = len(self.chunks) // 2
+        return BatchPlan(self.chunks[:mid]), BatchPlan(self.chunks[mid:])
 
 
 @dataclass(frozen=True)
@@ -60,3 +68,18 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     errors: dict[int, Failure] = field(default_factory=dict)  # chunk index -> why that request failed
+
+    @classmethod
+    def failed(cls, n: int, failure: Failure) -> StepResult:
+        """Every one of ``n`` chunks failed for the same reason."""
+        return cls([None] * n, [None] * n, [[] for _ in range(n)], dict.fromkeys(range(n), failure))
+
+    def then(self, other: StepResult) -> StepResult:
+        """This result followed by ``other``'s, as for the plan that ``BatchPlan.split`` cut in two."""
+        n = len(self.next_tokens)
+        return StepResult(
+            self.next_tokens + other.next_tokens,
+            self.logprobs + other.logprobs,
+            self.prompt_logprobs + other.prompt_logprobs,
+            {**self.errors, **{n + i: f for i, f in other.errors.items()}},
+        )

@@ -11,7 +11,7 @@ import logging
 import time
 
 from runtime import envs
-from runtime.batch import BatchPlan, ScheduledChunk, StepResult
+from runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer, StopChecker
 from runtime.distributed.tensor_parallel import WorkerDiedError
@@ -124,20 +124,37 @@ class EngineCore:
     def step(self) -> list[ReqOutput]:
         outputs = self.poll_grammars() if self.grammar_queue else []
         plan = self.scheduler.schedule()
+        outputs += [self._finish(req) for req in self.scheduler.take_failed()]
         if plan is None:
             return outputs
-        try:
-            result = self.runner.run(plan)
-        except WorkerDiedError:
-            raise  # no step can run any more: the engine stops and /health says why
-        except Exception as exc:  # noqa: BLE001 - a model fault fails this batch, not the engine
-            logger.exception("model step failed; failing the %d requests of the batch", len(plan.chunks))
-            return self._fail_batch(plan, f"model step failed: {type(exc).__name__}: {exc}")
+        result = self._run(plan)
         self.stats.forward_steps += 1
         outputs += self._apply(plan, result)
         if self.check_integrity:
             self.cache.check(self.scheduler.holders())
         return outputs
+
+    def _run(self, plan: BatchPlan) -> StepResult:
+        """Run the plan; if the step raises, rerun it in halves, so that a fault one request causes (its input, a
+        kernel's limit) fails that request alone and the rest of the batch completes. Rerunning writes the same
+        KV into the same slots; only a seeded request whose draw had already happened when the step raised can
+        draw differently."""
+        try:
+            return self.runner.run(plan)
+        except WorkerDiedError:
+            raise  # no step can run any more: the engine stops and /health says why
+        except Exception as exc:  # noqa: BLE001 - a model fault fails the requests that cause it, not the engine
+            if len(plan.chunks) == 1:
+                logger.exception("model step failed for request %s", plan.chunks[0].req.rid)
+                return StepResult.failed(1, Failure(f"model step failed: {type(exc).__name__}: {exc}"))
+            logger.warning(
+                "model step of %d requests failed (%s: %s); rerunning it in halves to find the request at fault",
+                len(plan.chunks),
+                type(exc).__name__,
+                exc,
+            )
+            first, second = plan.split()
+            return self._run(first).then(self._run(second))
 
     def _apply(self, plan: BatchPlan, result: StepResult) -> list[ReqOutput]:
         outputs: list[ReqOutput] = []
@@ -166,12 +183,12 @@ class EngineCore:
             req.admit_time = now
             self.stats.prompt_tokens += len(req.prompt_ids)
             self.stats.cached_prompt_tokens += req.cached_tokens or 0
+        if i in result.errors:  # this step's KV is not computed (or not to be trusted): it is freed, not cached
+            req.fail(result.errors[i].message, result.errors[i].code)
+            return self._finish(req)
         req.num_computed = chunk.end
         if result.prompt_logprobs and result.prompt_logprobs[i]:
             req.prompt_logprobs.extend(result.prompt_logprobs[i])
-        if i in result.errors:
-            req.fail(result.errors[i].message, result.errors[i].code)
-            return self._finish(req)
         if not chunk.is_decode:
             self.cache.cache_prefix(req)
         token = result.next_tokens[i]
@@ -273,18 +290,6 @@ class EngineCore:
         out = self._delta(req)
         assert out is not None  # a finished request always yields its final message
         return out
-
-    def _fail_batch(self, plan: BatchPlan, error: str) -> list[ReqOutput]:
-        outputs = []
-        for chunk in plan.chunks:
-            req = chunk.req
-            if req.finished:
-                continue
-            # The step's KV was never written; give back only what was computed before it.
-            req.num_computed = chunk.start
-            req.fail(error)
-            outputs.append(self._finish(req))
-        return outputs
 
     def flush_cache(self) -> bool:
         return self.cache.flush()

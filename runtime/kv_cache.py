@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from radix import RadixTree
+from radix import RadixTree, TreeNode
 from runtime.kv_pool import SlotAllocator
-from runtime.request import Req
+from runtime.request import FinishReason, Req
 
 
 class KVCacheManager:
@@ -50,8 +50,8 @@ class KVCacheManager:
     def admit(self, req: Req) -> int:
         """Attach the longest cached prefix of the request's tokens and lock it; returns its length.
 
-        At least one token is always left to compute (its logits give the next token), and prompt tokens whose
-        log-probabilities were asked for are recomputed too.
+        At least one token is always left to compute (its logits give the next token), and so are the prompt
+        positions whose log-probabilities are still to be reported (``Req.next_logprob_pos`` on).
         """
         if req.slots or req.prefix_handle is not None:
             raise RuntimeError(f"{req.rid} admitted while still holding KV")
@@ -59,7 +59,7 @@ class KVCacheManager:
             return 0
         limit = req.total - 1
         if req.wants_prompt_logprobs:
-            limit = min(limit, max(1, req.params.logprob_start_len) - 1)
+            limit = min(limit, req.next_logprob_pos)
         if limit <= 0:
             return 0
         match = self.tree.match_prefix(req.all_ids[:limit])
@@ -99,9 +99,17 @@ class KVCacheManager:
 
     def release(self, req: Req) -> None:
         """Give back everything the request holds: computed tokens go into the tree (when enabled), the rest to
-        the free list. Afterwards the request holds no KV (``num_computed == 0``)."""
+        the free list. Afterwards the request holds no KV (``num_computed == 0``).
+
+        A failed request's own KV is freed, never cached: a fault (non-finite numbers, a kernel error) may have
+        left it wrong, and a cached copy would be served to every later request with the same prefix. What it
+        shares through the tree was computed and checked before, and stays."""
         if self.tree is None:
             self.allocator.free(req.slots)
+        elif req.finish_reason is FinishReason.ERROR:
+            if req.prefix_handle is not None:
+                self.tree.unlock(req.prefix_handle)
+            self.allocator.free(req.slots[req.prefix_len :])
         else:
             tokens = req.all_ids[: req.num_computed]
             if len(tokens) > req.prefix_len:
@@ -113,6 +121,33 @@ class KVCacheManager:
         req.slots = []
         req.prefix_len = req.num_computed = 0
         req.prefix_handle = None
+
+    def shared_prefixes(self, reqs: Sequence[Req], min_len: int) -> list[tuple[int, int] | None]:
+        """For each request, ``(group, length)``: the deepest cached prefix of at least ``min_len`` tokens that it
+        shares with another of ``reqs`` (the same tree node, so the same slots), or ``None``.
+
+        Requests share slots only through the tree, and its nodes say which: grouping by node, a request with
+        another system prompt that shares only a chat template's first tokens with the rest leaves their group
+        intact. ``group`` is the node's id, equal for the requests that share that prefix. Each request is in one
+        group at most, so a group may end up with one request only (its partners chose a deeper one)."""
+        if self.tree is None or len(reqs) < 2:
+            return [None] * len(reqs)
+        paths: list[list[tuple[TreeNode, int]]] = []
+        count: dict[int, int] = {}
+        for req in reqs:
+            path: list[tuple[TreeNode, int]] = []  # (node, token depth where it ends), deepest first
+            node, depth = req.prefix_handle, req.prefix_len
+            while node is not None and node is not self.tree.root and depth >= min_len:
+                path.append((node, depth))
+                count[node.uid] = count.get(node.uid, 0) + 1
+                depth -= len(node.tokens)
+                node = node.parent
+            paths.append(path)
+        out: list[tuple[int, int] | None] = []
+        for path in paths:
+            pick = next(((node.uid, depth) for node, depth in path if count[node.uid] >= 2), None)
+            out.append(pick)
+        return out
 
     def _insert(self, req: Req, tokens: list[int]) -> None:
         assert self.tree is not None

@@ -6,7 +6,6 @@ never touches the slot allocator.
 
 from __future__ import annotations
 
-import os
 from typing import Protocol
 
 import torch
@@ -19,9 +18,6 @@ from runtime.kv_pool import KVPool
 from runtime.request import ErrorCode, TokenLogprob
 from runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
 from runtime.threads import StepThreads
-
-# Below this many shared tokens, attending to a prefix separately costs more than it saves.
-MIN_SHARED_PREFIX = 64
 
 
 class CausalLM(Protocol):
@@ -70,7 +66,7 @@ class ModelRunner:
         decode_slots = decode_mask = None
         groups: tuple[PrefixGroup, ...] = ()
         if decode_tables:
-            decode_tables, groups = self._prefix_groups(decode_tables)
+            decode_tables, groups = self._prefix_groups(plan, decode_tables)
             lens = [len(t) for t in decode_tables]
             width = max(lens)
             pad = decode_tables[0][0]
@@ -87,20 +83,21 @@ class ModelRunner:
         )
         return self._tensor(input_ids), self._tensor(positions), meta
 
-    def _prefix_groups(self, tables: list[list[int]]) -> tuple[list[list[int]], tuple[PrefixGroup, ...]]:
-        """Find decode rows that share a long prefix of KV slots (the radix cache gives shared prompts the same
-        slots) and cut that prefix out of their tables; the backend attends to it once per group."""
-        by_first: dict[int, list[int]] = {}
-        for i, table in enumerate(tables):
-            by_first.setdefault(table[0], []).append(i)
+    def _prefix_groups(
+        self, plan: BatchPlan, tables: list[list[int]]
+    ) -> tuple[list[list[int]], tuple[PrefixGroup, ...]]:
+        """Cut the prefix that the scheduler found shared (``ScheduledChunk.shared_prefix``: the same radix-tree
+        node, so the same slots) out of the decode rows' tables; the backend attends to it once per group."""
+        by_group: dict[int, list[int]] = {}
+        for row, chunk in enumerate(plan.chunks[: len(tables)]):
+            if chunk.shared_prefix is not None:
+                by_group.setdefault(chunk.shared_prefix[0], []).append(row)
         out = list(tables)
         groups: list[PrefixGroup] = []
-        for rows in by_first.values():
-            if len(rows) < 2:
+        for rows in by_group.values():
+            if len(rows) < 2:  # its partners chose a deeper group, or the plan was split
                 continue
-            shared = len(os.path.commonprefix([tables[i] for i in rows]))
-            if shared < MIN_SHARED_PREFIX:
-                continue
+            shared = plan.chunks[rows[0]].shared_prefix[1]  # type: ignore[index]
             for i in rows:
                 out[i] = tables[i][shared:]
             groups.append(PrefixGroup(rows=self._tensor(rows), prefix_slots=self._tensor(tables[rows[0]][:shared])))
@@ -121,25 +118,36 @@ class ModelRunner:
         next_tokens: list[int | None] = [None] * n
         logprobs: list[TokenLogprob | None] = [None] * n
         prompt_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        errors: dict[int, str] = {}
+        errors: dict[int, Failure] = {}
+
+        last_rows: list[int] = []
+        offset = 0
+        for chunk in plan.chunks:
+            offset += chunk.end - chunk.start
+            last_rows.append(offset - 1)
+        # A chunk's last row attends to all of its KV, so a NaN or inf anywhere in this step's K/V of that request
+        # shows there: such a request fails here, before its KV can be cached. (One sum per row costs 30x less
+        # than isfinite().all(); finite values would need magnitudes near 1e34 to overflow the sum.)
+        bad_rows = (~torch.isfinite(hidden[self._tensor(last_rows)].float().sum(dim=-1))).nonzero().flatten().tolist()
+        for i in bad_rows:
+            errors[i] = Failure("the model produced non-finite hidden states for this request")
 
         sample_idx: list[int] = []
         sample_rows: list[int] = []
         offset = 0
         for i, chunk in enumerate(plan.chunks):
             length = chunk.end - chunk.start
-            if chunk.sample and chunk.req.params.max_new_tokens > len(chunk.req.output_ids):
-                sample_idx.append(i)
-                sample_rows.append(offset + length - 1)
-            if chunk.req.wants_prompt_logprobs:
-                prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
+            if i not in errors:
+                if chunk.sample and chunk.req.params.max_new_tokens > len(chunk.req.output_ids):
+                    sample_idx.append(i)
+                    sample_rows.append(offset + length - 1)
+                if chunk.req.wants_prompt_logprobs:
+                    prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
             offset += length
 
         if sample_idx:
             logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
-            # A row's sum is finite iff all its logits are (NaN and +-inf propagate; finite logits would need
-            # magnitudes near 1e34 to overflow), and one sum costs 30x less than isfinite().all() over [B, V].
-            bad = ~torch.isfinite(logits.sum(dim=-1))
+            bad = ~torch.isfinite(logits.sum(dim=-1))  # as for the hidden states above
             if bool(bad.any()):
                 # A numerical fault must fail its own request with a reason, never turn into a bogus token.
                 for j in bad.nonzero().flatten().tolist():
@@ -199,9 +207,8 @@ class ModelRunner:
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> list[TokenLogprob]:
         """Log-probs of the prompt tokens predicted inside this chunk: position p predicts token p + 1."""
         req = chunk.req
-        first = max(1, req.params.logprob_start_len)
         prompt_len = len(req.prompt_ids)
-        lo = max(chunk.start, first - 1)
+        lo = max(chunk.start, req.next_logprob_pos)  # positions scored before a retraction are not scored again
         hi = min(chunk.end, prompt_len - 1)
         if lo >= hi:
             return []

@@ -112,6 +112,13 @@ class Req:
     def wants_prompt_logprobs(self) -> bool:
         return 0 <= self.params.logprob_start_len < len(self.prompt_ids)
 
+    @property
+    def next_logprob_pos(self) -> int:
+        """The prompt position whose logits score the next prompt token not scored yet (position p scores token
+        p + 1; scoring starts at ``logprob_start_len``). A resumed request scores only from here on, so no
+        position is scored, and reported, twice."""
+        return max(1, self.params.logprob_start_len) - 1 + len(self.prompt_logprobs)
+
     def fail(self, error: str, code: ErrorCode = ErrorCode.ENGINE) -> None:
         """Mark this request failed (the caller finishes it)."""
         self.finish_reason, self.error, self.error_code = FinishReason.ERROR, error, code.value

@@ -31,6 +31,15 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 IN_BATCH_PREFIX_DEFER = 32
 # Beyond this many waiting requests, longest-prefix ordering costs more than it saves.
 LPM_MAX_QUEUE = 256
+# The most of a request's remaining max_new_tokens that admission reserves KV for (SGLang clips at 4,096). A
+# client that omits max_tokens (the OpenAI SDK and LangChain do by default) gets all the room left in the context
+# as its budget; reserving a share of that would let a handful of such requests hold back every other. Outputs
+# that do run long are what retraction is for. On small pools the clip is an eighth of the pool, so that at the
+# initial ratio a dozen short-prompt requests run at once.
+MAX_RESERVED_NEW_TOKENS = 4096
+# Below this many shared tokens, attending to a cached prefix once per group of decode rows (cascade attention)
+# costs more than it saves.
+MIN_SHARED_PREFIX = 64
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -49,6 +58,10 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.reserve_clip = min(MAX_RESERVED_NEW_TOKENS, max(1, cache.num_slots // 8))
+        # Requests that scheduling had to fail (no KV for them and nothing left to retract); the engine core
+        # takes them after each ``schedule`` and finishes them.
+        self.failed: list[Req] = []
 
     # --- queue --------------------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -87,6 +100,10 @@ class Scheduler:
             extends.extend(self._admit(budget, extends))
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         if not decodes and not extends:
+            if self.running:
+                # No running request got a slot and none will finish to free one: without a retraction (or a
+                # failure, when one request is left) nothing could ever run again.
+                self._relieve()
             return None
         # A request admitted with all but its last token cached is a one-token chunk too: it joins the decodes,
         # which the plan must list first (the model runner lays out decode rows before extends).
@@ -104,13 +121,32 @@ class Scheduler:
             slots = self.cache.alloc(len(decoding))
             if slots is not None:
                 break
-            if not self._retract_one():
-                raise RuntimeError("KV pool exhausted with nothing left to retract")
+            self._relieve()
+        shared = self.cache.shared_prefixes(decoding, MIN_SHARED_PREFIX)
         chunks = []
-        for req, slot in zip(decoding, slots):
+        for req, slot, prefix in zip(decoding, slots, shared):
             req.slots.append(slot)
-            chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True))
+            chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True, shared_prefix=prefix))
         return chunks
+
+    def _relieve(self) -> None:
+        """Free KV for the others: retract a request, or, with one left, fail it (its KV is freed)."""
+        if self._retract_one():
+            return
+        req = self.running.pop()
+        # The engine refuses requests larger than the pool, so this means KV was lost (a leak, a fault); the
+        # request fails with a reason and the engine goes on serving.
+        req.fail(
+            f"the KV cache ({self.cache.num_slots} tokens) has no free slot for this request and nothing is left "
+            "to retract; retry it, and report this if it repeats"
+        )
+        self.cache.release(req)
+        self.failed.append(req)
+        logger.error("%s failed: KV pool exhausted with nothing left to retract", req.rid)
+
+    def take_failed(self) -> list[Req]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _retract_one(self) -> bool:
         """Send the running request with the least progress back to the queue, its KV cached for the resume."""
@@ -137,13 +173,15 @@ class Scheduler:
         req.slots.extend(slots)
         return ScheduledChunk(req, start, start + n, sample=start + n == req.total)
 
+    def _future_need(self, req: Req) -> float:
+        """KV the request is expected to need beyond the slots it holds (this step's included): the rest of its
+        tokens, and a share of its remaining output (clipped, see ``MAX_RESERVED_NEW_TOKENS``)."""
+        remaining = min(max(0, req.params.max_new_tokens - len(req.output_ids)), self.reserve_clip)
+        return req.total - len(req.slots) + remaining * self.new_token_ratio
+
     def _reserved(self) -> float:
         """KV that running requests are expected to still need."""
-        total = 0.0
-        for r in self.running:
-            total += r.total - r.num_computed
-            total += max(0, r.params.max_new_tokens - len(r.output_ids)) * self.new_token_ratio
-        return total
+        return sum(self._future_need(r) for r in self.running)
 
     def _ordered_waiting(self) -> list[Req]:
         waiting = list(self.waiting)
@@ -171,8 +209,7 @@ class Scheduler:
                 if shared >= IN_BATCH_PREFIX_DEFER and 2 * shared >= len(tokens) - cached:
                     continue
             cached = self.cache.admit(req)
-            need = req.total - cached + max(0, req.params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio
-            if self.running and self.cache.available() - reserved < need:
+            if self.running and self.cache.available() - reserved < self._future_need(req):
                 self.cache.release(req)
                 break
             chunk = self._extend_chunk(req, budget)
@@ -184,7 +221,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             budget -= chunk.end - chunk.start
-            reserved += need
+            reserved += self._future_need(req)  # its chunk's slots are allocated: only the rest is reserved
             admitted.append(chunk)
             in_flight.append(tokens)
         return admitted

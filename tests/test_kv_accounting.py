@@ -19,7 +19,7 @@ def test_random_mix_keeps_kv_accounting(tiny_model_dir: Path, radix: bool, monke
     engine = Engine(
         model=str(tiny_model_dir),
         device="cpu",
-        max_total_tokens=300,
+        max_total_tokens=150,
         chunked_prefill_size=48,
         max_running_requests=6,
         disable_radix_cache=not radix,

@@ -117,6 +117,7 @@ def make_tiny_model(
     qkv_bias: bool | None = None,
     seed: int = 0,
     arch: str = "llama",
+    max_position: int = 2048,
 ) -> Path:
     """Write a random-weight causal LM plus a trained byte-level BPE tokenizer into ``path``; return it.
 
@@ -159,7 +160,7 @@ def make_tiny_model(
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        max_position_embeddings=max_position, rms_norm_eps=1e-5, tie_word_embeddings=tie,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

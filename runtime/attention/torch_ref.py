@@ -58,6 +58,17 @@ def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
     return (starts[:, None] + slots.reshape(1, -1)).reshape(-1)
 
 
+def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q @ keys^T`` in float32, for a half-precision ``q`` [N, G, D] and ``keys`` [N, L, D].
+
+    q is scaled before the product (as SDPA does), and float16 products are taken in float32: an unscaled float16
+    q.k overflows its range (65,504) long before the scaled score does, and float16's step near 1e4 (8) would
+    blur the softmax. bfloat16 has float32's range, so its product stays in bfloat16 (half the bytes to read)."""
+    if q.dtype == torch.float16:
+        return torch.bmm(q.float() * scale, keys.float().transpose(1, 2))
+    return torch.bmm(q * scale, keys.transpose(1, 2)).float()
+
+
 class TorchReferenceBackend(AttentionBackend):
     """``cpu_kernels=True`` runs float32 CPU decode attention on the compiled kernel when it builds on this
     machine (see ``runtime.attention.cpu_kernels``; the first use on a machine compiles it, ~20 s)."""
@@ -165,7 +176,7 @@ class TorchReferenceBackend(AttentionBackend):
             # give the same values as scaling and masking after the matmul.
             scores = torch.baddbmm(layout.bias, qh, keys.transpose(1, 2), alpha=scale)
         else:
-            scores = torch.bmm(qh, keys.transpose(1, 2)).float() * scale + layout.bias
+            scores = _scores(qh, keys, scale) + layout.bias
         if not groups:
             return self._weighted_values(torch.softmax(scores, dim=-1), kv, layout).view(b, h, d)
         m = scores.amax(dim=-1, keepdim=True)
@@ -215,7 +226,7 @@ class TorchReferenceBackend(AttentionBackend):
             nb = group.rows.shape[0]
             prefix = self._gather(kv, index).view(2, n_kv, group.prefix_slots.shape[0], d)
             qg = q4.index_select(0, group.rows).transpose(0, 1).reshape(n_kv, nb * g, d)
-            sp = torch.bmm(qg, prefix[0].transpose(1, 2)).float() * (d**-0.5)  # [Hkv, b*G, P]
+            sp = _scores(qg, prefix[0], d**-0.5)  # [Hkv, b*G, P]
             mp = sp.amax(dim=-1, keepdim=True)
             ep = torch.exp(sp - mp)
             denp = ep.sum(dim=-1, keepdim=True)

@@ -1,0 +1,57 @@
+"""Half-precision decode attention must not overflow where the scaled scores are in range.
+
+q.k of two vectors with entries around 40 in 64 dimensions is ~1e5, past float16's largest value (65,504), while
+the scaled score (q.k / 8) is ~1.3e4. A float16 q.k gives inf, then NaN out of the softmax; the scores must be
+accumulated in float32 (and q scaled first), which also keeps their precision (float16's step at 1e4 is 8).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention import AttentionMetadata, PrefixGroup, TorchReferenceBackend
+from runtime.kv_pool import KVPool
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """float32 attention of one query row [H, D] over [L, Hkv, D]."""
+    heads, d = q.shape
+    g = heads // keys.shape[1]
+    k = keys.float().repeat_interleave(g, dim=1)
+    v = values.float().repeat_interleave(g, dim=1)
+    probs = torch.softmax(torch.einsum("hd,lhd->hl", q.float(), k) * d**-0.5, dim=-1)
+    return torch.einsum("hl,lhd->hd", probs, v)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "cascade"])
+@torch.inference_mode()
+def test_fp16_decode_with_large_activations_stays_finite(grouped: bool) -> None:
+    torch.manual_seed(0)
+    n_kv, heads, d, n_slots = 2, 4, 64, 200
+    dtype = torch.float16
+    pool = KVPool(n_slots, 1, n_kv, d, dtype, torch.device("cpu"))
+    # Keys all near the same large vector, so q.k is large for every slot (not only for a few).
+    base = torch.full((d,), 40.0)
+    pool.k[0].copy_((base + torch.randn(n_slots, n_kv, d)).to(dtype))
+    pool.v[0].copy_(torch.randn(n_slots, n_kv, d).to(dtype))
+    q = (base + torch.randn(3, heads, d)).to(dtype)
+    assert float((q[0, 0].float() * pool.k[0][0, 0].float()).sum()) > 65504, "the unscaled score must overflow"
+    prefix = list(range(0, 120))
+    tables = [prefix + list(range(120 + 10 * i, 125 + 10 * i)) for i in range(3)]
+
+    rows = [t[len(prefix) :] for t in tables] if grouped else tables
+    width = max(len(t) for t in rows)
+    slots = torch.tensor([t + [t[0]] * (width - len(t)) for t in rows])
+    lens = torch.tensor([len(t) for t in rows])
+    mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
+    groups = (PrefixGroup(torch.arange(3), torch.tensor(prefix)),) if grouped else ()
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 3, slots, mask, (), groups)
+    empty = torch.zeros(0, n_kv, d, dtype=dtype)
+    out = TorchReferenceBackend().forward(0, q, empty, empty, meta, pool)
+
+    assert torch.isfinite(out).all(), "float16 decode attention overflowed"
+    for i, table in enumerate(tables):
+        idx = torch.tensor(table)
+        want = _reference(q[i], pool.k[0][idx], pool.v[0][idx])
+        torch.testing.assert_close(out[i].float(), want, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,67 @@
+"""Admission arithmetic of the scheduler, on the scheduler and KV cache manager alone (no model).
+
+Admission keeps KV in reserve for the tokens running requests will still generate. Two ways that reserve can be
+wrong: counting slots already allocated this step a second time, and reserving all of a huge ``max_new_tokens``
+(the server sets it to all the room left when a client omits ``max_tokens``, as the OpenAI SDK does).
+"""
+
+from __future__ import annotations
+
+from runtime.batch import BatchPlan
+from runtime.config import EngineConfig
+from runtime.kv_cache import KVCacheManager
+from runtime.request import Req
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+
+
+def _scheduler(num_slots: int, **config) -> Scheduler:
+    cfg = EngineConfig(max_total_tokens=num_slots, **config)
+    return Scheduler(cfg, KVCacheManager(num_slots, enable_radix=True, strict=True))
+
+
+def _complete(plan: BatchPlan) -> None:
+    """What the engine does after a step: the chunks' KV is computed (nothing is sampled here)."""
+    for chunk in plan.chunks:
+        chunk.req.num_computed = chunk.end
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [1000 * (i + 1) + j for j in range(n)]  # no two requests share a prefix
+
+
+def test_one_step_admits_every_request_that_fits() -> None:
+    """Five 190-token prompts fit a 1,000-slot pool together; the step that admits them must see that, not count
+    each admitted prompt's slots twice (once allocated, once reserved)."""
+    sched = _scheduler(1000, chunked_prefill_size=2048)
+    for i in range(5):
+        sched.add(Req(f"r{i}", _prompt(i, 190), SamplingParams(max_new_tokens=1)))
+    plan = sched.schedule()
+    assert plan is not None
+    assert len(plan.chunks) == 5, [c.req.rid for c in plan.chunks]
+
+
+def test_a_running_prefill_is_not_reserved_twice() -> None:
+    """A long prompt finishing its prefill this step has its last chunk allocated already; the room that leaves
+    (700 slots) admits a 100-token request."""
+    sched = _scheduler(2600, chunked_prefill_size=1024)
+    sched.add(Req("long", _prompt(0, 1900), SamplingParams(max_new_tokens=1)))
+    first = sched.schedule()
+    assert first is not None and [c.end for c in first.chunks] == [1024]
+    _complete(first)
+    sched.add(Req("small", _prompt(1, 100), SamplingParams(max_new_tokens=1)))
+    second = sched.schedule()
+    assert second is not None
+    assert [c.req.rid for c in second.chunks] == ["long", "small"]
+
+
+def test_requests_without_max_tokens_do_not_block_admission() -> None:
+    """16 chat requests whose max_new_tokens is all the room left (16,384-token pool): at least 8 run at once."""
+    pool = 16384
+    sched = _scheduler(pool)
+    for i in range(16):
+        prompt = _prompt(i, 30)
+        sched.add(Req(f"r{i}", prompt, SamplingParams(max_new_tokens=pool - len(prompt))))
+    plan = sched.schedule()
+    assert plan is not None
+    assert len(sched.running) >= 8, len(sched.running)
