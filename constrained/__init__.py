@@ -13,25 +13,33 @@ see docs/constrained.md. Typical use by the engine:
     matcher.accept_token(token); matcher.is_terminated(); matcher.forced_tokens()
 """
 
-from constrained.backend import CompiledGrammar, GrammarBackend, LLGuidanceBackend, Matcher
-from constrained.bitmask import allocate_bitmask, apply_bitmask, bitmask_to_bool, fill_bitmasks
-from constrained.compiler import GrammarCompiler
-from constrained.spec import ConstraintKind, ConstraintSpec, GrammarError
-from constrained.tokenizer import TokenizerError, TokenizerInfo
+from typing import Any
 
-__all__ = [
-    "CompiledGrammar",
-    "ConstraintKind",
-    "ConstraintSpec",
-    "GrammarBackend",
-    "GrammarCompiler",
-    "GrammarError",
-    "LLGuidanceBackend",
-    "Matcher",
-    "TokenizerError",
-    "TokenizerInfo",
-    "allocate_bitmask",
-    "apply_bitmask",
-    "bitmask_to_bool",
-    "fill_bitmasks",
-]
+from constrained.spec import ConstraintKind, ConstraintSpec, GrammarError
+
+# The rest is imported on first use: the HTTP front end of an engine process needs only the spec and its error,
+# and must not pay for torch and llguidance (seconds at start-up) to get them.
+_LAZY = {
+    "CompiledGrammar": "constrained.backend",
+    "GrammarBackend": "constrained.backend",
+    "LLGuidanceBackend": "constrained.backend",
+    "Matcher": "constrained.backend",
+    "allocate_bitmask": "constrained.bitmask",
+    "apply_bitmask": "constrained.bitmask",
+    "bitmask_to_bool": "constrained.bitmask",
+    "fill_bitmasks": "constrained.bitmask",
+    "GrammarCompiler": "constrained.compiler",
+    "TokenizerError": "constrained.tokenizer",
+    "TokenizerInfo": "constrained.tokenizer",
+}
+
+__all__ = ["ConstraintKind", "ConstraintSpec", "GrammarError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'constrained' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -48,6 +48,10 @@ class GrammarError(ValueError):
         self.keyword = keyword
         self.pointer = pointer
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (across the engine process's pipe) with its kind and location, not only its message.
+        return (_rebuild_grammar_error, (str(self), self.kind, self.keyword, self.pointer))
+
     @classmethod
     def unsupported(cls, keyword: str, pointer: str, why: str) -> GrammarError:
         where = pointer or "/"
@@ -62,6 +66,10 @@ class GrammarError(ValueError):
     def invalid_schema(cls, pointer: str, why: str, keyword: str | None = None) -> GrammarError:
         where = pointer or "/"
         return cls(f"invalid JSON schema at {where}: {why}", kind="invalid", keyword=keyword, pointer=pointer)
+
+
+def _rebuild_grammar_error(message: str, kind: ErrorKind, keyword: str | None, pointer: str | None) -> GrammarError:
+    return GrammarError(message, kind=kind, keyword=keyword, pointer=pointer)
 
 
 def pointer_join(pointer: str, *tokens: str | int) -> str:

@@ -28,7 +28,6 @@ from functools import lru_cache
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 # Texts whose encoding must round-trip through the raw-byte table (catches added prefix spaces and the like).
@@ -236,7 +235,9 @@ def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int,
     else:
         # The tokenizer rewrites text while encoding (e.g. a SentencePiece prefix space): let llguidance drive
         # the Rust tokenizer itself, which knows those rules, and check it agrees with our byte table.
-        ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
+        from llguidance.hf import from_tokenizer  # imports transformers: only on this path
+
+        ll = from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
         bad = _disagreement(ll, size, special, tokens)
         if bad is not None:
             raise TokenizerError(f"llguidance's view of token {bad} differs from the tokenizer's bytes")

@@ -7,14 +7,13 @@ the engine thread; other threads talk to it only through the inbox queue, and it
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, replace
 from typing import Any
@@ -25,7 +24,9 @@ from constrained import CompiledGrammar, ConstraintSpec
 from runtime.attention import TorchReferenceBackend, cpu_kernels
 from runtime.config import EngineConfig
 from runtime.distributed import TensorParallelModel, finish_start, start_leader
+from runtime.engine_api import EngineAPI, Sink, final_output
 from runtime.engine_core import EngineCore
+from runtime.errors import EngineDeadError, EngineOverloadedError
 from runtime.grammar import GrammarSupport
 from runtime.kv_pool import KVPool, available_memory_bytes
 from runtime.loader import load_model
@@ -36,16 +37,9 @@ from runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("radixserve.engine")
 
-Sink = Callable[[ReqOutput], None]
+__all__ = ["Engine", "EngineDeadError", "EngineOverloadedError"]
+
 STATS_LOG_INTERVAL_S = 10.0
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full (``--max-queued-requests``); the caller should retry later (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown or a fatal fault); no request can be served."""
 
 
 def _pool_size(config: EngineConfig, per_token: int, device: torch.device) -> int:
@@ -54,7 +48,7 @@ def _pool_size(config: EngineConfig, per_token: int, device: torch.device) -> in
     return max(1, int(available_memory_bytes(device) * config.mem_fraction) // per_token)
 
 
-class Engine:
+class Engine(EngineAPI):
     """``Engine(model=..., ...)`` loads the model and starts serving at once.
 
     Thread-safe: ``submit``/``abort``/``generate`` may be called from any thread, ``stream`` from any event loop.
@@ -193,55 +187,6 @@ class Engine:
             self._inbox.put(("call", fn, fut))
         return fut.result(timeout)
 
-    def generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: SamplingParams | dict[str, Any] | list[Any] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Blocking generation for one prompt or a batch (text or token ids). Returns ``{"text", "output_ids",
-        "meta_info"}`` per prompt."""
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
-        if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        elif input_ids is not None:
-            ids_list = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
-        else:
-            raise ValueError("give prompt or input_ids")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids_list):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(ids_list)} prompts")
-            param_list = [_as_params(p) for p in sampling_params]
-        else:
-            param_list = [_as_params(sampling_params) for _ in ids_list]
-        done: list[Future[dict[str, Any]]] = []
-        for ids, params in zip(ids_list, param_list):
-            fut: Future[dict[str, Any]] = Future()
-            self.submit(ids, params, _Collector(fut))  # type: ignore[arg-type]
-            done.append(fut)
-        results = [f.result() for f in done]
-        return results[0] if single else results
-
-    async def stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
-    ) -> AsyncIterator[ReqOutput]:
-        """Yield the request's incremental outputs; closing the iterator early aborts the request."""
-        loop = asyncio.get_running_loop()
-        outq: asyncio.Queue[ReqOutput] = asyncio.Queue()
-        rid = self.submit(prompt_ids, params, lambda out: loop.call_soon_threadsafe(outq.put_nowait, out), rid)
-        finished = False
-        try:
-            while True:
-                out = await outq.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(rid)
-
     def server_info(self) -> dict[str, Any]:
         def collect(core: EngineCore) -> dict[str, Any]:
             return {
@@ -261,6 +206,15 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.call(lambda core: core.flush_cache())
+
+    def check_kv(self) -> dict[str, int]:
+        """Run the KV accounting check between two steps (raises ``RuntimeError`` on a leak); returns the usage."""
+
+        def check(core: EngineCore) -> dict[str, int]:
+            core.cache.check(core.scheduler.holders())
+            return core.kv_usage()
+
+        return self.call(check)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -293,7 +247,7 @@ class Engine:
             req.finish_reason, req.error = reason, self.error
         reqs += core.grammar_queue
         core.grammar_queue = []
-        self._dispatch([core._delta(req) or _final(req) for req in reqs])
+        self._dispatch([core._delta(req) or final_output(req) for req in reqs])
         self._fail_inbox()
 
     def _drain(self, block: bool) -> None:
@@ -336,7 +290,7 @@ class Engine:
             with self._count_lock:
                 self._unfinished -= 1
             try:
-                sink(_final(req))
+                sink(final_output(req))
             except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
                 logger.exception("output sink of %s failed", req.rid)
         else:
@@ -378,7 +332,7 @@ class Engine:
                 with self._count_lock:
                     self._pending_adds -= 1
                     self._unfinished -= 1
-                b(_final(a))
+                b(final_output(a))
             elif kind == "call":
                 b.set_exception(EngineDeadError(self.error or "the engine has shut down"))
 
@@ -401,59 +355,3 @@ class Engine:
             )
         self._last_log = now
         self._last_generated = gen
-
-
-def _as_params(p: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-    """A fresh ``SamplingParams`` per request: requests never share mutable parameter objects."""
-    if isinstance(p, SamplingParams):
-        return replace(p)
-    return SamplingParams(**(p or {}))
-
-
-def _final(req: Req) -> ReqOutput:
-    return ReqOutput(
-        rid=req.rid,
-        text="",
-        token_ids=[],
-        logprobs=[],
-        finished=True,
-        finish_reason=req.finish_reason,
-        error=req.error,
-        error_code=req.error_code,
-        prompt_tokens=len(req.prompt_ids),
-        completion_tokens=len(req.output_ids),
-    )
-
-
-class _Collector:
-    """Accumulates a request's outputs into the dict that ``Engine.generate`` returns."""
-
-    def __init__(self, fut: Future[dict[str, Any]]) -> None:
-        self.fut = fut
-        self.text: list[str] = []
-        self.ids: list[int] = []
-        self.logprobs: list[Any] = []
-
-    def __call__(self, out: ReqOutput) -> None:
-        self.text.append(out.text)
-        self.ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs)
-        if out.finished:
-            self.fut.set_result(
-                {
-                    "text": "".join(self.text),
-                    "output_ids": self.ids,
-                    "meta_info": {
-                        "id": out.rid,
-                        "prompt_tokens": out.prompt_tokens,
-                        "completion_tokens": out.completion_tokens,
-                        "cached_tokens": out.cached_tokens,
-                        "finish_reason": out.finish_reason.value if out.finish_reason else None,
-                        "matched_stop": out.matched_stop,
-                        "error": out.error,
-                        "error_code": out.error_code,
-                        "output_token_logprobs": self.logprobs,
-                        "input_token_logprobs": out.prompt_logprobs,
-                    },
-                }
-            )

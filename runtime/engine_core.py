@@ -21,6 +21,7 @@ from runtime.model_runner import ModelRunner
 from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from runtime.scheduler import Scheduler
 from runtime.stats import EngineStats
+from runtime.validation import validate_request
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -55,24 +56,7 @@ class EngineCore:
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
         """Raise ``ValueError`` if the request can never be served; cheap, safe to call from any thread."""
-        params.validate(self.vocab_size)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_context_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but the context length is {self.max_context_len}; "
-                "shorten the prompt"
-            )
-        need = min(len(prompt_ids) + params.max_new_tokens, self.max_context_len)
-        if need > self.cache.num_slots:
-            raise ValueError(
-                f"this request needs up to {need} tokens of KV cache (prompt {len(prompt_ids)} + max_new_tokens "
-                f"{params.max_new_tokens}) but the pool holds {self.cache.num_slots}; lower max_tokens or start "
-                "the server with a larger --max-total-tokens"
-            )
+        validate_request(prompt_ids, params, self.vocab_size, self.max_context_len, self.cache.num_slots)
 
     def add(self, req: Req) -> None:
         self.validate(req.prompt_ids, req.params)

@@ -74,6 +74,19 @@ def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with uninitialized parameters of ``dtype`` on ``device``, ready for ``load_weights``.
+
+    Built on the meta device and then given storage: no random initialization (seconds for a real model) and no
+    float32 copy on the way to a bfloat16 model; the rotary tables, which no checkpoint holds, are computed."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args, dtype=dtype)
+    model = model.to(dtype).to_empty(device=device).eval()
+    model.model.rope.reset_tables(dtype)
+    model.tie_weights()
+    return model
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     folder = resolve_model(config.model)
@@ -83,10 +96,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device, hf_config)
     tokenizer = load_tokenizer(folder)
     with one_intra_op_thread():
-        with torch.device(device):
-            model = LlamaForCausalLM(args, dtype=torch.float32)
+        model = build_model(args, dtype, device)
         model.load_weights(iter_weights(folder))
-        model = model.to(dtype).eval()
         prepack(model)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(

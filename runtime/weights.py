@@ -8,17 +8,19 @@ absent when the checkpoint ties it to the embeddings, and the consumer must hand
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -54,8 +56,14 @@ def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, 
     """
     files = safetensors_files(folder)
     seen: dict[str, Path] = {}
-    with tqdm(total=count_tensors(folder), desc="Loading weights", unit="tensor", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=count_tensors(folder),
+        desc="Loading weights",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    ) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
@@ -69,14 +77,51 @@ def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, 
                     bar.update(1)
 
 
-def load_hf_config(folder: Path) -> PretrainedConfig:
-    """The folder's ``config.json`` as a transformers config (architecture-specific class)."""
-    from transformers import AutoConfig
+# What transformers' config classes fill in when config.json leaves a field out, per model_type (only the fields
+# the engine reads). Real checkpoints spell nearly everything out; tiny test configs and old exports may not.
+_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "rope_theta": 10000.0, "vocab_size": 32000},
+    "mistral": {
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096 * 32,
+        "rope_theta": 10000.0,
+        "vocab_size": 32000,
+        "sliding_window": 4096,
+    },
+    "qwen2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "rope_theta": 10000.0, "vocab_size": 151936},
+}
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "rope_scaling": None,
+    "head_dim": None,
+    "num_key_value_heads": None,
+}
 
+
+def load_hf_config(folder: Path) -> SimpleNamespace:
+    """The folder's ``config.json`` as attributes, with the defaults transformers would fill in for the fields the
+    engine reads. Read as plain JSON: importing transformers' config classes costs seconds at every start."""
     folder = Path(folder)
-    if not (folder / "config.json").is_file():
+    path = folder / "config.json"
+    if not path.is_file():
         raise ValueError(f"model folder {folder} has no config.json")
-    return AutoConfig.from_pretrained(str(folder))
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    fields = {**_COMMON_DEFAULTS, **_CONFIG_DEFAULTS.get(str(raw.get("model_type", "")), {}), **raw}
+    return SimpleNamespace(**fields)
+
+
+# Loading a tokenizer through AutoTokenizer first imports transformers' model-config machinery (~2-4 s at every
+# start). Where AutoTokenizer would build the generic fast tokenizer anyway (transformers >= 5, a model type that
+# maps to no tokenizer class of its own, a generic tokenizer_class), it is loaded directly from tokenizer.json.
+# Other model types (Qwen2's and Gemma's tokenizer classes rebuild parts of the pipeline) keep AutoTokenizer.
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "mistral"})
+_GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -84,11 +129,15 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
 
     The engine relies on the fast tokenizer for offsets and incremental detokenization speed.
     """
-    from transformers import AutoTokenizer
-
     folder = Path(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ValueError(f"model folder {folder} has no tokenizer.json / tokenizer_config.json")
+    if _generic_fast_tokenizer(folder):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(folder), use_fast=True)
     if not tokenizer.is_fast:
         raise ValueError(
@@ -96,3 +145,21 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
             "(e.g. save it once with transformers' PreTrainedTokenizerFast)"
         )
     return tokenizer
+
+
+def _generic_fast_tokenizer(folder: Path) -> bool:
+    from importlib.metadata import version
+
+    if not (folder / "tokenizer.json").is_file() or int(version("transformers").split(".")[0]) < 5:
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(config, dict)
+        and isinstance(tok_config, dict)
+        and config.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
+        and tok_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+    )

@@ -9,7 +9,19 @@
 # because the engine thread holds the process's only OpenMP team (the model loads and the CPU kernels self-check
 # on one intra-op thread); two teams spinning against each other were what once made steps 10-50x slower.
 
-from server.app import attach_server, create_app
-from server.config import ServerConfig
+from typing import Any
 
 __all__ = ["ServerConfig", "attach_server", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `radixserve serve` starts the engine process before it imports the app (and torch with it).
+    if name == "ServerConfig":
+        from server.config import ServerConfig
+
+        return ServerConfig
+    if name in ("attach_server", "create_app"):
+        from server import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'server' has no attribute {name!r}")

@@ -69,15 +69,23 @@ def configure_logging(level: str) -> None:
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    logger.info("engine config: %s", json.dumps(asdict(engine_config)))
+    logger.info("server config: %s", json.dumps(server_config.redacted()))
+    if server_config.engine_process:
+        from runtime.engine_process import EngineProcess
+
+        # Started first, so that the model loads while this process imports the server and starts listening.
+        factory = EngineProcess(engine_config, wait=False).wait_ready
+    else:
+        from runtime.engine import Engine
+
+        factory = lambda: Engine(engine_config)  # noqa: E731
     import uvicorn
 
-    from runtime.engine import Engine
     from server.app import attach_server, create_app
     from server.lifecycle import uvicorn_options
 
-    logger.info("engine config: %s", json.dumps(asdict(engine_config)))
-    logger.info("server config: %s", json.dumps(server_config.redacted()))
-    app = create_app(lambda: Engine(engine_config), server_config, model=engine_config.model)
+    app = create_app(factory, server_config, model=engine_config.model)
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,

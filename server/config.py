@@ -33,6 +33,11 @@ class ServerConfig:
     request_read_timeout: float = _opt(
         30.0, "Seconds a client may take to send a request's headers and body; slower ones get 408."
     )
+    engine_process: bool = _opt(
+        True,
+        "Run the engine in a process of its own, so the HTTP front end never holds up its steps; "
+        "--no-engine-process runs both in one process.",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -192,21 +192,30 @@ async def compile_constraints(engine: Any, metrics: Metrics, constraints: Sequen
 
 
 async def _compile(engine: Any, metrics: Metrics, constraint: RequestConstraint) -> None:
+    # A GrammarError is the constraint's fault; another ValueError (constrained.TokenizerError) says this model's
+    # vocabulary cannot carry a grammar. The in-process engine raises them at once or on the future, an engine
+    # process always on the future.
     try:
         future = engine.compile(constraint.spec)
     except GrammarError as exc:
         raise constraint.error(exc) from None
-    except ValueError as exc:  # constrained.TokenizerError: this model's vocabulary cannot carry a grammar
-        raise APIError(
-            400,
-            f"{constraint.param}: constrained decoding is not available for this model: {exc}",
-            param=constraint.param,
-            code="unsupported_constraint",
-        ) from None
+    except ValueError as exc:
+        raise _unavailable(constraint, exc) from None
     metrics.grammar_wait(+1)
     try:
         await asyncio.wrap_future(future)
     except GrammarError as exc:
         raise constraint.error(exc) from None
+    except ValueError as exc:
+        raise _unavailable(constraint, exc) from None
     finally:
         metrics.grammar_wait(-1)
+
+
+def _unavailable(constraint: RequestConstraint, exc: ValueError) -> APIError:
+    return APIError(
+        400,
+        f"{constraint.param}: constrained decoding is not available for this model: {exc}",
+        param=constraint.param,
+        code="unsupported_constraint",
+    )

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from constrained import GrammarError
-from runtime.engine import EngineDeadError, EngineOverloadedError
+from runtime.errors import EngineDeadError, EngineOverloadedError
 from runtime.request import ErrorCode
 
 logger = logging.getLogger("radixserve.server")

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from runtime.engine import Engine
+from runtime.engine_process import EngineProcess
 from server import ServerConfig, create_app
 from server.errors import APIError
 from server.params import budget
@@ -130,11 +131,12 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Engine]]:
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def served(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Engine]]:
+    engine_class = Engine if request.param == "engine-thread" else EngineProcess
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
-        engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048, max_context_len=256)
+        engine = engine_class(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048, max_context_len=256)
     config = ServerConfig(served_model_name="tiny", max_body_bytes=MAX_BODY, request_read_timeout=READ_TIMEOUT_S)
     try:
         with ServerThread(create_app(engine, config)) as srv:
@@ -244,7 +246,7 @@ def test_nothing_leaked(served: tuple[ServerThread, Engine], http: httpx.Client)
     info = wait_idle(http)
     assert info["num_inflight_requests"] == 0
     engine = served[1]
-    engine.call(lambda core: core.cache.check(core.scheduler.holders()))
+    engine.check_kv()
     assert http.get("/health").json() == {"status": "ready"}
 
 

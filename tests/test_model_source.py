@@ -335,3 +335,27 @@ def test_real_builtin_model() -> None:
     rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith(CHATML_EXPECTED)
     assert tok.decode(tok("Hello world").input_ids) == "Hello world"
+
+
+@pytest.mark.parametrize("which", ["tiny", "qwen2", "real"])
+def test_fast_path_config_and_tokenizer_equal_transformers(which: str, tmp_path: Path) -> None:
+    """The config read as JSON and the tokenizer loaded without AutoTokenizer (both seconds faster at start-up)
+    give what transformers' Auto classes give, for every field the engine reads and every encoding it does."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from runtime.models.llama import ModelArgs
+
+    if which == "real":
+        folder = resolve_model("smollm2-135m-instruct")
+    else:
+        folder = make_tiny_model(tmp_path / which, arch="qwen2" if which == "qwen2" else "llama", tie=which != "qwen2")
+    ours, theirs = load_hf_config(folder), AutoConfig.from_pretrained(str(folder))
+    assert ModelArgs.from_hf_config(ours) == ModelArgs.from_hf_config(theirs)
+    assert ours.eos_token_id == theirs.eos_token_id
+    fast, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    for text in ("Hello, world!", " leading space", "<|im_start|>user\nhi<|im_end|>", "ünïcode ✓ 12345\n\tend"):
+        for special in (True, False):
+            assert fast.encode(text, add_special_tokens=special) == auto.encode(text, add_special_tokens=special)
+    assert (fast.eos_token_id, fast.bos_token_id, len(fast)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
+    rendered = [t.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) for t in (fast, auto)]
+    assert rendered[0] == rendered[1]

@@ -31,6 +31,7 @@ import jsonschema
 import pytest
 
 from runtime.engine import Engine
+from runtime.engine_process import EngineProcess
 from server import ServerConfig, create_app
 from server.testing import ServerThread
 
@@ -57,11 +58,12 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
 
 
-@pytest.fixture(scope="module")
-def soak_server(tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Engine]]:
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def soak_server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Engine]]:
+    engine_class = Engine if request.param == "engine-thread" else EngineProcess
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
-        engine = Engine(
+        engine = engine_class(
             model=str(tiny_model_dir),
             device="cpu",
             max_total_tokens=640,  # a dozen running requests need more: eviction and retraction are routine
@@ -317,7 +319,7 @@ def test_soak(soak_server: tuple[ServerThread, Engine]) -> None:
         assert "KV cache" in never.json()["error"]["message"]
     kv = info["kv_cache"]
     assert kv["in_use_tokens"] == 0 and kv["free_tokens"] + kv["evictable_tokens"] == kv["total_tokens"]
-    engine.call(lambda core: core.cache.check(core.scheduler.holders()))  # every slot free or in the tree
+    engine.check_kv()  # every slot free or in the tree
     assert engine.num_unfinished == 0 and engine.num_queued == 0
     assert 'finished_reason="error"' not in metrics
     assert "radixserve:evicted_tokens_total{" in metrics

@@ -57,6 +57,11 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
 
+    def reset_parameters(self) -> None:
+        """No random initialization: the weights always come from a checkpoint (and on the meta device the
+        initializers would import torch's reference-op machinery, seconds at every start)."""
+
+
     def _eligible(self) -> bool:
         w = self.weight
         return w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_grad_enabled() and onednn_usable()
@@ -83,6 +88,13 @@ class Linear(nn.Linear):
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random initialization, for the same reason as ``Linear``."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 def prepack(model: nn.Module) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.base import ForwardContext
-from runtime.models.linear import Linear
+from runtime.models.linear import Embedding, Linear
 from runtime.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -166,7 +166,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.rope = RotaryEmbedding(
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
         )
@@ -190,7 +190,12 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.model = LlamaModel(args, dtype)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the checkpoint ties them (again after moving the
+        model: ``to_empty`` gives each module's reference its own storage)."""
+        if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

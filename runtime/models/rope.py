@@ -39,6 +39,17 @@ class RotaryEmbedding(torch.nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        self._spec = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("signed_sin", torch.empty(0), persistent=False)
+        if self.cos.device.type != "meta":  # on meta (ops there run as slow Python decompositions) wait for storage
+            self.reset_tables(dtype)
+
+    def reset_tables(self, dtype: torch.dtype) -> None:
+        """(Re)compute the tables on the device the module is on (a model built on the meta device calls this once
+        it is materialized: the tables are not in the checkpoint)."""
+        head_dim, max_positions, theta, scaling = self._spec
+        device = self.cos.device
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
@@ -54,8 +65,8 @@ class RotaryEmbedding(torch.nn.Module):
         # (negating is exact), which saves the negation of x in every layer.
         signed_sin = emb.sin()
         signed_sin[:, : head_dim // 2].neg_()
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("signed_sin", signed_sin.to(dtype), persistent=False)
+        self.cos = emb.cos().to(dtype=dtype, device=device)
+        self.signed_sin = signed_sin.to(dtype=dtype, device=device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed_sin)`` rows of ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""

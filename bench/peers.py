@@ -1,0 +1,175 @@
+"""radixserve against the engines users would pick instead, over HTTP, in one run: vLLM's CPU build and
+llama.cpp's llama-server (through the scripts in ``../shared/peers/``), one engine busy at a time, each started
+fresh and warmed up with one request.
+
+    python -m bench.peers                                  # SmolLM2-135M, all engines and workloads
+    python -m bench.peers --engines radixserve,vllm --workloads shared,single --radixserve-args "--dtype bfloat16"
+
+Workloads (``bench/peer_workloads.py``): 48 requests sharing a ~1,300-token system prompt (32 tokens out, 16
+clients); 48 distinct ~600-token prompts (64 out, 16 clients); 8 conversations x 4 turns (48 a turn); one user
+(128 out). Printed per engine and workload: wall time, output tok/s, TTFT p50/p90, one-user decode tok/s, cached
+prompt tokens; then radixserve's ratio to each peer (throughput: higher is better; TTFT: ours / theirs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench import llamacpp_peer as llama
+from bench.common import format_table, wait_until_healthy
+from bench.peer_workloads import WORKLOADS, Result, Workload, run
+from runtime.model_source import resolve_model
+from runtime.weights import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers"
+SERVED = "bench-model"
+
+
+@contextmanager
+def _process(argv: Sequence[str], port: int, what: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    log = tempfile.NamedTemporaryFile("w+b", prefix=f"bench-{what}-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        start = time.perf_counter()
+        wait_until_healthy(proc, url, timeout_s=900, what=what)
+        print(f"  {what} ready after {time.perf_counter() - start:.1f} s (log: {log.name})", flush=True)
+        yield url
+    except RuntimeError:
+        log.seek(0)
+        print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def radixserve(model: str, extra: str) -> contextmanager:
+    port = llama.free_port()
+    argv = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port),
+            "--served-model-name", SERVED, *shlex.split(extra)]  # fmt: skip
+    return _process(argv, port, "radixserve")
+
+
+def vllm(folder: Path, extra: str) -> contextmanager:
+    port = llama.free_port()
+    argv = ["bash", str(PEERS / "vllm-cpu.sh"), str(folder), str(port), "--served-model-name", SERVED,
+            *shlex.split(extra)]  # fmt: skip
+    return _process(argv, port, "vllm")
+
+
+def llama_server(gguf: Path, extra: str, parallel: int = 16, ctx_per_slot: int = 4096) -> contextmanager:
+    binary = subprocess.run(["bash", str(PEERS / "llama-server.sh")], capture_output=True, text=True, check=True)
+    port = llama.free_port()
+    kind = llama.ServerKind("llama-server", (binary.stdout.strip().splitlines()[-1],), native=True)
+    argv = llama.server_argv(kind, gguf, port, os.cpu_count() or 2, parallel, ctx_per_slot)
+    return _process([*argv, "--alias", SERVED, *shlex.split(extra)], port, "llama-server")
+
+
+def _warm_up(url: str, tokenizer: object) -> None:
+    asyncio.run(run(url, SERVED, Workload("warm-up", (((1, 2, 3, 4),),), 8, 1), tokenizer))
+
+
+def bench_engine(name: str, server: contextmanager, workloads: list[Workload], tokenizer: object) -> dict[str, Result]:
+    print(f"{name}:", flush=True)
+    out: dict[str, Result] = {}
+    with server as url:
+        _warm_up(url, tokenizer)
+        for wl in workloads:
+            res = asyncio.run(run(url, SERVED, wl, tokenizer))
+            out[wl.name] = res
+            errors = f", ERRORS {res.errors[:2]}" if res.errors else ""
+            print(
+                f"  {wl.name}: {res.wall_s:.2f} s, {res.tok_s:.1f} output tok/s, "
+                f"TTFT p50 {res.ttft(0.5) * 1e3:.0f} ms, cached {res.cached_tokens}/{res.prompt_tokens}{errors}",
+                flush=True,
+            )
+    return out
+
+
+def report(results: dict[str, dict[str, Result]], workloads: list[Workload]) -> str:
+    rows = []
+    for engine, by_wl in results.items():
+        for wl in workloads:
+            r = by_wl.get(wl.name)
+            if r is None:
+                continue
+            rows.append([engine, wl.name, r.wall_s, r.tok_s, r.ttft(0.5) * 1e3, r.ttft(0.9) * 1e3, r.decode,
+                         f"{r.cached_tokens}/{r.prompt_tokens}", len(r.errors)])  # fmt: skip
+    text = format_table(
+        ["engine", "workload", "wall s", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "decode tok/s", "cached", "errors"],
+        rows,
+    )
+    ours = results.get("radixserve")
+    if ours:
+        ratio_rows = []
+        for peer, by_wl in results.items():
+            if peer == "radixserve":
+                continue
+            for wl in workloads:
+                a, b = ours.get(wl.name), by_wl.get(wl.name)
+                if a is None or b is None or not b.tok_s:
+                    continue
+                decode = a.decode / b.decode if wl.clients == 1 else float("nan")
+                ratio_rows.append([peer, wl.name, a.tok_s / b.tok_s, a.ttft(0.5) / b.ttft(0.5), decode])
+        if ratio_rows:
+            text += "\n\nradixserve / peer:\n" + format_table(
+                ["peer", "workload", "throughput x", "TTFT p50 ours/theirs", "decode x"], ratio_rows
+            )
+    return text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder (radixserve, vLLM)")
+    p.add_argument("--gguf", default="", help="GGUF for llama-server (default: the F32 GGUF of the built-in model)")
+    p.add_argument("--engines", default="radixserve,vllm,llama-server")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--radixserve-args", default="", help="extra flags for `radixserve serve`")
+    p.add_argument("--vllm-args", default="")
+    p.add_argument("--llama-args", default="")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    folder = resolve_model(args.model)
+    tokenizer = load_tokenizer(folder)
+    workloads = [WORKLOADS[w](tokenizer) for w in args.workloads.split(",")]
+    results: dict[str, dict[str, Result]] = {}
+    for engine in args.engines.split(","):
+        if engine == "radixserve":
+            server = radixserve(args.model, args.radixserve_args)
+        elif engine == "vllm":
+            server = vllm(folder, args.vllm_args)
+        elif engine == "llama-server":
+            gguf = Path(args.gguf) if args.gguf else llama.f32_gguf(args.model)
+            if gguf is None:
+                print("llama-server: no GGUF of this model; pass --gguf", file=sys.stderr)
+                continue
+            server = llama_server(gguf, args.llama_args)
+        else:
+            raise SystemExit(f"unknown engine {engine!r}")
+        results[engine] = bench_engine(engine, server, workloads, tokenizer)
+    print()
+    print(report(results, workloads))
+
+
+if __name__ == "__main__":
+    main()

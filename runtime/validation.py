@@ -1,0 +1,29 @@
+"""The checks a request must pass before it is queued, shared by the in-process engine and the front end of an
+engine process (which refuses at once, without a round trip)."""
+
+from __future__ import annotations
+
+from runtime.sampling_params import SamplingParams
+
+
+def validate_request(
+    prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_context_len: int, kv_slots: int
+) -> None:
+    """Raise ``ValueError`` (a message fit for an API client) if the request can never be served."""
+    params.validate(vocab_size)
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
+    if len(prompt_ids) >= max_context_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but the context length is {max_context_len}; shorten the prompt"
+        )
+    need = min(len(prompt_ids) + params.max_new_tokens, max_context_len)
+    if need > kv_slots:
+        raise ValueError(
+            f"this request needs up to {need} tokens of KV cache (prompt {len(prompt_ids)} + max_new_tokens "
+            f"{params.max_new_tokens}) but the pool holds {kv_slots}; lower max_tokens or start the server with a "
+            "larger --max-total-tokens"
+        )
