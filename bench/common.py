@@ -277,3 +277,13 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600.
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not become ready within {timeout_s:.0f} s")
         time.sleep(0.5)
+
+
+def hf_model(folder: Any, dtype: torch.dtype) -> Any:
+    """transformers' model of a resolved model folder, whose weights are safetensors or a ``model.gguf``."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    gguf = {"gguf_file": "model.gguf"} if (Path(folder) / "model.gguf").is_file() else {}
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **gguf).eval()

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from bench.common import format_table, machine_summary
-from constrained import ConstraintSpec
-from runtime.engine import Engine
-from runtime.request import FinishReason, ReqOutput
-from runtime.sampling_params import SamplingParams
+from radixserve.constrained import ConstraintSpec
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.request import FinishReason, ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TOPICS = (

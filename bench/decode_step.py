@@ -57,7 +57,10 @@ def import_baseline(ref: str) -> str:
     pkg = root / BASELINE_PKG
     (root / "runtime").rename(pkg)
     for f in pkg.rglob("*.py"):
-        text = re.sub(r"^(\s*)(from|import) runtime\b", rf"\1\2 {BASELINE_PKG}", f.read_text(), flags=re.M)
+        # Revisions before the radixserve.* namespace import ``runtime``, later ones ``radixserve.runtime``.
+        text = re.sub(
+            r"^(\s*)(from|import) (radixserve\.)?runtime\b", rf"\1\2 {BASELINE_PKG}", f.read_text(), flags=re.M
+        )
         f.write_text(text)
     sys.path.insert(0, str(root))
     return BASELINE_PKG
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     max_new = new_tokens(args, max(lengths))
     slots = args.batch * (max(lengths) + max_new) + 64
-    impls = [Impl("current", "runtime")]
+    impls = [Impl("current", "radixserve.runtime")]
     if args.baseline:
         impls.append(Impl(f"baseline {args.baseline}", import_baseline(args.baseline)))
     for impl in impls:

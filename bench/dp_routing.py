@@ -39,10 +39,10 @@ import httpx
 import openai
 
 from bench.common import CORPUS, format_table, wait_until_healthy
-from runtime.config import DEFAULT_MODEL
-from server.router.config import RouterConfig, RoutingConfig
-from server.router.process import build_http_router
-from server.testing import ServerThread, free_port
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.server.router.config import RouterConfig, RoutingConfig
+from radixserve.server.router.process import build_http_router
+from radixserve.server.testing import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600
@@ -71,7 +71,7 @@ def replicas(args: argparse.Namespace) -> Iterator[list[str]]:
         for _ in range(args.replicas):
             port = free_port()
             cmd = [
-                sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--device", "cpu",
+                sys.executable, "-m", "radixserve.server.cli", "serve", "--model", args.model, "--device", "cpu",
                 "--dtype", args.dtype, "--max-total-tokens", str(args.max_total_tokens),
                 "--served-model-name", "bench", "--port", str(port), "--log-level", "warning",
             ]  # fmt: skip

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.common import CORPUS, format_table, machine_summary
-from lang import RuntimeEndpoint, assistant, function, gen, system, user
-from lang.backend.base import GenOutput
-from runtime.config import DEFAULT_MODEL
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.lang import RuntimeEndpoint, assistant, function, gen, system, user
+from radixserve.lang.backend.base import GenOutput
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 
 QUESTIONS = (
     "Which empire is mentioned first?",

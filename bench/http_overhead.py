@@ -44,11 +44,11 @@ import httpx
 import torch
 
 from bench.common import Request, format_table, machine_summary, make_workload, wait_until_healthy
-from runtime.config import DEFAULT_MODEL
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
-from server import ServerConfig, create_app
-from server.testing import ServerThread, free_port
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread, free_port
 
 SERVER_START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 900.0
@@ -201,7 +201,7 @@ def serve(args: argparse.Namespace, engine: Engine) -> Iterator[Target]:
         return
     port = free_port()
     cmd = [
-        sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--device", "cpu",
+        sys.executable, "-m", "radixserve.server.cli", "serve", "--model", args.model, "--device", "cpu",
         "--dtype", args.dtype, "--max-total-tokens", str(args.max_total_tokens),
         "--max-running-requests", str(args.clients), "--served-model-name", args.model,
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",

@@ -35,7 +35,14 @@ from typing import Any
 
 import torch
 
-from constrained import ConstraintSpec, GrammarCompiler, GrammarError, Matcher, TokenizerInfo, allocate_bitmask
+from radixserve.constrained import (
+    ConstraintSpec,
+    GrammarCompiler,
+    GrammarError,
+    Matcher,
+    TokenizerInfo,
+    allocate_bitmask,
+)
 
 BACKENDS = ("llguidance", "xgrammar", "outlines-core")
 
@@ -46,8 +53,8 @@ def load_rows(path: Path, limit: int | None) -> list[dict[str, Any]]:
 
 
 def tokenizer_info(model: str) -> TokenizerInfo:
-    from runtime.model_source import resolve_model
-    from runtime.weights import load_tokenizer
+    from radixserve.runtime.model_source import resolve_model
+    from radixserve.runtime.weights import load_tokenizer
 
     return TokenizerInfo.from_hf(load_tokenizer(resolve_model(model)))
 
@@ -153,8 +160,8 @@ def rewrite_disagreements(row: dict[str, Any]) -> int:
         import jsonschema
     except ImportError:
         return -1
-    from constrained.backend import llguidance_formats
-    from constrained.json_schema import as_draft_2020, rewrite_schema
+    from radixserve.constrained.backend import llguidance_formats
+    from radixserve.constrained.json_schema import as_draft_2020, rewrite_schema
 
     rewritten = rewrite_schema(row["schema"], llguidance_formats())
     cls = jsonschema.validators.validator_for(row["schema"])
@@ -187,7 +194,7 @@ def run_llguidance(rows: list[dict[str, Any]], info: TokenizerInfo, timeout: flo
 
 def _worker(conn: Any, backend: str, model: str, memory_gib: float | None) -> None:
     """Child process: compile one schema per message, report the compile time, then the instance results."""
-    from constrained.alt_backends import OutlinesCoreBackend, XGrammarBackend
+    from radixserve.constrained.alt_backends import OutlinesCoreBackend, XGrammarBackend
 
     if memory_gib:  # address space, so leave room for the libraries' mappings (torch maps several GiB)
         import resource

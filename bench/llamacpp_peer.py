@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime import envs
-from runtime.model_source import BUILTIN_MODELS, gguf_cache_key
+from radixserve.runtime import envs
+from radixserve.runtime.model_source import BUILTIN_MODELS, gguf_cache_key
 
 HOST = "127.0.0.1"
 SERVER_START_TIMEOUT_S = 180.0

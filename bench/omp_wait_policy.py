@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import httpx
 
 from bench.common import format_table, machine_summary, wait_until_healthy
-from runtime.config import DEFAULT_MODEL
-from server.testing import free_port
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.server.testing import free_port
 
 POLICIES = ("default", "PASSIVE")
 
@@ -72,7 +72,7 @@ def _one(url: str, i: int, max_tokens: int, counts: list[int]) -> None:
 def run_server(policy: str, args: argparse.Namespace) -> list[float]:
     env = dict(os.environ, OMP_WAIT_POLICY="" if policy == "default" else policy)
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model", args.model]
+    cmd = [sys.executable, "-m", "radixserve.server.cli", "serve", "--port", str(port), "--model", args.model]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

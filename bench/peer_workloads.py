@@ -169,7 +169,9 @@ async def _complete(
 async def run(base_url: str, model: str, workload: Workload, tokenizer: Any) -> Result:
     result = Result()
     gate = asyncio.Semaphore(workload.clients)
-    limits = httpx.Limits(max_connections=workload.clients + 4)
+    # A fresh connection per request: servers close idle keep-alive connections on their own schedule
+    # (llama-server after 5 s), and a request sent on one of those fails without a response.
+    limits = httpx.Limits(max_connections=workload.clients + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
 
         async def session(turns: Sequence[tuple[int, ...]]) -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 from bench import llamacpp_peer as llama
 from bench.common import format_table, wait_until_healthy
 from bench.peer_workloads import WORKLOADS, Result, Workload, run
-from runtime.model_source import resolve_model
-from runtime.weights import load_tokenizer
+from radixserve.runtime.model_source import resolve_model
+from radixserve.runtime.weights import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
@@ -62,7 +62,7 @@ def _process(argv: Sequence[str], port: int, what: str, env: dict[str, str] | No
 
 def radixserve(model: str, extra: str) -> contextmanager:
     port = llama.free_port()
-    argv = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port),
+    argv = [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", model, "--port", str(port),
             "--served-model-name", SERVED, *shlex.split(extra)]  # fmt: skip
     return _process(argv, port, "radixserve")
 
@@ -77,7 +77,7 @@ def vllm(folder: Path, extra: str) -> contextmanager:
 def llama_server(gguf: Path, extra: str, parallel: int = 16, ctx_per_slot: int = 4096) -> contextmanager:
     binary = subprocess.run(["bash", str(PEERS / "llama-server.sh")], capture_output=True, text=True, check=True)
     port = llama.free_port()
-    kind = llama.ServerKind("llama-server", (binary.stdout.strip().splitlines()[-1],), native=True)
+    kind = llama.ServerKind("llama-server", (binary.stdout.strip().splitlines()[-1],))
     argv = llama.server_argv(kind, gguf, port, os.cpu_count() or 2, parallel, ctx_per_slot)
     return _process([*argv, "--alias", SERVED, *shlex.split(extra)], port, "llama-server")
 
@@ -166,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             server = llama_server(gguf, args.llama_args)
         else:
             raise SystemExit(f"unknown engine {engine!r}")
-        results[engine] = bench_engine(engine, server, workloads, tokenizer)
+        try:
+            results[engine] = bench_engine(engine, server, workloads, tokenizer)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # report what the others measured
+            print(f"{engine} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     print()
     print(report(results, workloads))
 

@@ -48,7 +48,7 @@ import torch
 from transformers.utils import logging as transformers_logging
 
 from bench import llamacpp_peer as peer
-from bench.common import machine_summary
+from bench.common import hf_model, machine_summary
 from bench.shared_prefix_report import (
     Record,
     SystemRun,
@@ -65,11 +65,11 @@ from bench.shared_prefix_workloads import (
     Session,
     Workload,
 )
-from runtime.config import DEFAULT_MODEL
-from runtime.engine import Engine
-from runtime.model_source import resolve_model
-from runtime.sampling_params import SamplingParams
-from runtime.weights import load_tokenizer
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.model_source import resolve_model
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.runtime.weights import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WARMUP_TEXT = "Benchmark warm-up: a short sentence that no measured prompt starts with."
@@ -168,9 +168,7 @@ class _FirstStepTimer:
 
 
 def load_hf(folder: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return hf_model(folder, dtype)
 
 
 @torch.inference_mode()

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from bench.common import Request, format_table, machine_summary, make_workload, parse_range, timer
-from runtime.config import DEFAULT_MODEL
-from runtime.engine import Engine
-from runtime.model_source import resolve_model
-from runtime.sampling_params import SamplingParams
-from runtime.weights import load_tokenizer
+from bench.common import Request, format_table, hf_model, machine_summary, make_workload, parse_range, timer
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.model_source import resolve_model
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.runtime.weights import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WARMUP_TEXT = "Benchmark warm-up: a short sentence that no measured prompt starts with."
@@ -66,10 +66,7 @@ class RunResult:
 
 # --- HuggingFace --------------------------------------------------------------------------------------
 def load_hf(folder: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return model.eval()
+    return hf_model(folder, dtype)
 
 
 @torch.inference_mode()

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 
 from bench.common import format_table, machine_summary, make_workload
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
 
 
 def main(argv: Sequence[str] | None = None) -> None:

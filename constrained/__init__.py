@@ -15,22 +15,22 @@ see docs/constrained.md. Typical use by the engine:
 
 from typing import Any
 
-from constrained.spec import ConstraintKind, ConstraintSpec, GrammarError
+from radixserve.constrained.spec import ConstraintKind, ConstraintSpec, GrammarError
 
 # The rest is imported on first use: the HTTP front end of an engine process needs only the spec and its error,
 # and must not pay for torch and llguidance (seconds at start-up) to get them.
 _LAZY = {
-    "CompiledGrammar": "constrained.backend",
-    "GrammarBackend": "constrained.backend",
-    "LLGuidanceBackend": "constrained.backend",
-    "Matcher": "constrained.backend",
-    "allocate_bitmask": "constrained.bitmask",
-    "apply_bitmask": "constrained.bitmask",
-    "bitmask_to_bool": "constrained.bitmask",
-    "fill_bitmasks": "constrained.bitmask",
-    "GrammarCompiler": "constrained.compiler",
-    "TokenizerError": "constrained.tokenizer",
-    "TokenizerInfo": "constrained.tokenizer",
+    "CompiledGrammar": "radixserve.constrained.backend",
+    "GrammarBackend": "radixserve.constrained.backend",
+    "LLGuidanceBackend": "radixserve.constrained.backend",
+    "Matcher": "radixserve.constrained.backend",
+    "allocate_bitmask": "radixserve.constrained.bitmask",
+    "apply_bitmask": "radixserve.constrained.bitmask",
+    "bitmask_to_bool": "radixserve.constrained.bitmask",
+    "fill_bitmasks": "radixserve.constrained.bitmask",
+    "GrammarCompiler": "radixserve.constrained.compiler",
+    "TokenizerError": "radixserve.constrained.tokenizer",
+    "TokenizerInfo": "radixserve.constrained.tokenizer",
 }
 
 __all__ = ["ConstraintKind", "ConstraintSpec", "GrammarError", *_LAZY]

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from constrained.backend import check_bitmask
-from constrained.spec import ConstraintSpec, GrammarError
-from constrained.tokenizer import TokenizerInfo
+from radixserve.constrained.backend import check_bitmask
+from radixserve.constrained.spec import ConstraintSpec, GrammarError
+from radixserve.constrained.tokenizer import TokenizerInfo
 
 
 def _serving_only(spec: ConstraintSpec, backend: str) -> None:

@@ -34,10 +34,10 @@ from typing import Any, Protocol
 import llguidance
 import torch
 
-from constrained import json_schema
-from constrained.spec import ConstraintSpec, GrammarError, pointer_join, tool_or_answer_parts
-from constrained.tokenizer import TokenizerInfo
-from constrained.tool_grammar import tool_or_answer_lark, under
+from radixserve.constrained import json_schema
+from radixserve.constrained.spec import ConstraintSpec, GrammarError, pointer_join, tool_or_answer_parts
+from radixserve.constrained.tokenizer import TokenizerInfo
+from radixserve.constrained.tool_grammar import tool_or_answer_lark, under
 
 _SPEC_FORMATS = (
     "date-time",

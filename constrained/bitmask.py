@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from constrained.backend import LLGuidanceMatcher, Matcher, check_bitmask
+from radixserve.constrained.backend import LLGuidanceMatcher, Matcher, check_bitmask
 
 _EXECUTOR: llguidance.LLExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()

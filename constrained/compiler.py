@@ -47,9 +47,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from constrained.backend import CompiledGrammar, GrammarBackend, LLGuidanceBackend
-from constrained.spec import ConstraintSpec, GrammarError
-from constrained.tokenizer import TokenizerInfo
+from radixserve.constrained.backend import CompiledGrammar, GrammarBackend, LLGuidanceBackend
+from radixserve.constrained.spec import ConstraintSpec, GrammarError
+from radixserve.constrained.tokenizer import TokenizerInfo
 
 Delivery = tuple[list["Future[CompiledGrammar]"], CompiledGrammar | None, GrammarError | None]
 

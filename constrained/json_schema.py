@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from constrained import schema_refs as refs
-from constrained.schema_logic import SchemaAlgebra
-from constrained.schema_passes import (
+from radixserve.constrained import schema_refs as refs
+from radixserve.constrained.schema_logic import SchemaAlgebra
+from radixserve.constrained.schema_passes import (
     EXACT_INTEGERS,
     as_draft_2020,
     drop_implied_types,
@@ -31,9 +31,9 @@ from constrained.schema_passes import (
     materialize_all_of,
     place_refs,
 )
-from constrained.schema_regex import drop_lookahead
-from constrained.schema_steps import drop_no_ops, fuse_conditionals, property_names
-from constrained.schema_types import (
+from radixserve.constrained.schema_regex import drop_lookahead
+from radixserve.constrained.schema_steps import drop_no_ops, fuse_conditionals, property_names
+from radixserve.constrained.schema_types import (
     DEFS,
     IN_PLACE,
     SCHEMA_LISTS,
@@ -46,7 +46,7 @@ from constrained.schema_types import (
     any_of,
     json_equal,
 )
-from constrained.spec import GrammarError, pointer_join
+from radixserve.constrained.spec import GrammarError, pointer_join
 
 __all__ = ["as_draft_2020", "rewrite_schema"]
 

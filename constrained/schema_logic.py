@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from constrained.schema_regex import complement_regex, literal_pattern, negate_pattern
-from constrained.schema_types import (
+from radixserve.constrained.schema_regex import complement_regex, literal_pattern, negate_pattern
+from radixserve.constrained.schema_types import (
     ARRAY_KEYS,
     ATOMS,
     MAX_DEPTH,

@@ -13,8 +13,8 @@ import math
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from constrained import schema_refs as refs
-from constrained.schema_types import (
+from radixserve.constrained import schema_refs as refs
+from radixserve.constrained.schema_types import (
     DEFS,
     INTERACTING,
     META,
@@ -25,10 +25,10 @@ from constrained.schema_types import (
     declared_atoms,
     is_number,
 )
-from constrained.spec import GrammarError, canonical_json, pointer_join
+from radixserve.constrained.spec import GrammarError, canonical_json, pointer_join
 
 if TYPE_CHECKING:
-    from constrained.json_schema import Rewriter
+    from radixserve.constrained.json_schema import Rewriter
 
 
 def place_refs(rw: Rewriter, out: Schema) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
-from constrained.schema_types import DEFS, SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_ONE
+from radixserve.constrained.schema_types import DEFS, SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_ONE
 
 _MISSING = object()
 

@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from constrained.schema_types import CannotRewrite
+from radixserve.constrained.schema_types import CannotRewrite
 
 ANY_CHAR = r"[\s\S]"
 

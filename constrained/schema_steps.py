@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from constrained.schema_regex import complement_regex, name_matches
-from constrained.schema_types import (
+from radixserve.constrained.schema_regex import complement_regex, name_matches
+from radixserve.constrained.schema_types import (
     MATCH_ALL,
     NEUTRAL,
     CannotRewrite,
@@ -18,10 +18,10 @@ from constrained.schema_types import (
     any_of,
     json_equal,
 )
-from constrained.spec import GrammarError, canonical_json, pointer_join
+from radixserve.constrained.spec import GrammarError, canonical_json, pointer_join
 
 if TYPE_CHECKING:
-    from constrained.json_schema import Rewriter
+    from radixserve.constrained.json_schema import Rewriter
 
 
 def property_names(rw: Rewriter, out: dict[str, Any], ptr: str) -> None:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from constrained.spec import canonical_json
+from radixserve.constrained.spec import canonical_json
 
 Schema = dict[str, Any] | bool
 

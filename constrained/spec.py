@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, get_args
 
-from constrained.regex_check import regex_problem, schema_pattern_problem
+from radixserve.constrained.regex_check import regex_problem, schema_pattern_problem
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_or_answer"]
 ErrorKind = Literal["invalid", "unsupported", "timeout", "too_complex", "internal"]

@@ -17,7 +17,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from constrained.spec import GrammarError, tool_or_answer_parts
+from radixserve.constrained.spec import GrammarError, tool_or_answer_parts
 
 Rewrite = Callable[[Any], Any]
 

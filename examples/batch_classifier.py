@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from lang import Backend, RuntimeEndpoint, assistant, function, select, system, user
+from radixserve.lang import Backend, RuntimeEndpoint, assistant, function, select, system, user
 
 LABELS = ["sports", "politics", "technology", "food"]
 DATA = [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from lang import Backend, RuntimeEndpoint, function, gen
+from radixserve.lang import Backend, RuntimeEndpoint, function, gen
 
 EXAMPLES = [
     ("What is the capital of France?", "Paris"),

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from lang import Backend, BackendError, RuntimeEndpoint, assistant, function, gen, system, user
+from radixserve.lang import Backend, BackendError, RuntimeEndpoint, assistant, function, gen, system, user
 
 SCHEMA = {
     "type": "object",

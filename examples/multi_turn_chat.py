@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from lang import Backend, RuntimeEndpoint, assistant, function, gen, system, user
+from radixserve.lang import Backend, RuntimeEndpoint, assistant, function, gen, system, user
 
 
 @function

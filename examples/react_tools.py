@@ -10,7 +10,7 @@ import argparse
 import ast
 import operator
 
-from lang import Backend, RuntimeEndpoint, function, gen, select, system, user
+from radixserve.lang import Backend, RuntimeEndpoint, function, gen, select, system, user
 
 FACTS = {
     "eiffel tower": "The Eiffel Tower is 330 metres tall.",

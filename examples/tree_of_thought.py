@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from lang import Backend, RuntimeEndpoint, function, gen, select, system, user
+from radixserve.lang import Backend, RuntimeEndpoint, function, gen, select, system, user
 
 
 @function

@@ -1,6 +1,6 @@
 """A Python DSL for LLM programs over radixserve: text, ``gen``, ``select``, roles, ``fork``, batches, streaming.
 
-    from lang import RuntimeEndpoint, assistant, function, gen, set_default_backend, user
+    from radixserve.lang import RuntimeEndpoint, assistant, function, gen, set_default_backend, user
 
     @function
     def qa(s, question):
@@ -15,11 +15,11 @@ See docs/dsl.md for the guide.
 
 from typing import Any
 
-from lang.backend import Backend, GenOutput, RuntimeEndpoint
-from lang.errors import BackendError, ChatTemplateError
-from lang.ir import assistant, gen, select, system, user
-from lang.program import Program, function, get_default_backend, set_default_backend
-from lang.state import ForkGroup, ProgramState
+from radixserve.lang.backend import Backend, GenOutput, RuntimeEndpoint
+from radixserve.lang.errors import BackendError, ChatTemplateError
+from radixserve.lang.ir import assistant, gen, select, system, user
+from radixserve.lang.program import Program, function, get_default_backend, set_default_backend
+from radixserve.lang.state import ForkGroup, ProgramState
 
 __all__ = [
     "Backend",
@@ -44,7 +44,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "EngineBackend":  # imported on first use: it needs torch and the server package
-        from lang.backend.engine_backend import EngineBackend
+        from radixserve.lang.backend.engine_backend import EngineBackend
 
         return EngineBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

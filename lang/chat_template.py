@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lang.errors import ChatTemplateError
+from radixserve.lang.errors import ChatTemplateError
 
 Render = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> prompt text
 

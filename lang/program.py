@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from lang.backend.base import Backend
-from lang.ir import SAMPLING_KEYS, sampling_dict
-from lang.state import ProgramState, _Executor
+from radixserve.lang.backend.base import Backend
+from radixserve.lang.ir import SAMPLING_KEYS, sampling_dict
+from radixserve.lang.state import ProgramState, _Executor
 
 MAX_AUTO_THREADS = 64
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lang.backend.base import Backend
+from radixserve.lang.backend.base import Backend
 
 # Choices scored per request to the backend (a server queues at most --max-queued-requests, 1024 by default).
 SCORE_BATCH = 256

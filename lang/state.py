@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from lang.backend.base import Backend
-from lang.errors import BackendError, ChatTemplateError
-from lang.ir import ROLES, Atom, Expr, Gen, RoleBegin, RoleEnd, Select, flatten
-from lang.scoring import score_choices
+from radixserve.lang.backend.base import Backend
+from radixserve.lang.errors import BackendError, ChatTemplateError
+from radixserve.lang.ir import ROLES, Atom, Expr, Gen, RoleBegin, RoleEnd, Select, flatten
+from radixserve.lang.scoring import score_choices
 
 _END = object()
 

@@ -5,7 +5,7 @@ locks the matched node while the request uses those slots, hands computed slots 
 and calls ``evict`` when the slot pool runs short. See :class:`RadixTree` for the invariants.
 """
 
-from radix.node import ChildKey, MatchResult, TreeNode
-from radix.tree import RadixTree
+from radixserve.radix.node import ChildKey, MatchResult, TreeNode
+from radixserve.radix.tree import RadixTree
 
 __all__ = ["ChildKey", "MatchResult", "RadixTree", "TreeNode"]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from sortedcontainers import SortedList
 
-from radix.node import ChildKey, MatchResult, TreeNode
+from radixserve.radix.node import ChildKey, MatchResult, TreeNode
 
 
 def _as_list(seq: Sequence[int]) -> list[int]:

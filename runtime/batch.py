@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.request import ErrorCode, Req, TokenLogprob
+from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 
 
 @dataclass(frozen=True)

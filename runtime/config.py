@@ -8,37 +8,75 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from runtime import envs
+from radixserve.runtime import envs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 T = TypeVar("T")
 
 
-def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(
+    default: Any, help: str, choices: tuple[Any, ...] | None = None, aliases: tuple[str, ...] = ()
+) -> Any:
+    """A config field; ``aliases`` are other spellings of its flag (vLLM's and SGLang's names for the same thing)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+# Flags that are gone, mapped to the field that replaced them: still accepted, with a warning.
+DEPRECATED_FLAGS = {
+    "--mem-fraction": (
+        "mem_fraction_static",
+        "--mem-fraction is deprecated: it was a share of the memory left free after loading, and "
+        "--mem-fraction-static (a share of total memory for weights plus KV pool, as in SGLang) replaces it; "
+        "its value is now read as --mem-fraction-static",
+    ),
+}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the in-process engine needs: model, memory, scheduling."""
 
-    model: str = _opt(DEFAULT_MODEL, "A local HF folder, a .gguf file, or the built-in name smollm2-135m-instruct.")
+    model: str = _opt(
+        DEFAULT_MODEL,
+        "A local HF folder, a .gguf file, a Hugging Face model id (ORG/NAME: the HF cache, then the hub), or the "
+        "built-in name smollm2-135m-instruct.",
+        aliases=("--model-path",),
+    )
+    revision: str = _opt("", "Revision (branch, tag or commit) of a Hugging Face model id; default: main.")
+    tokenizer: str = _opt("", "Tokenizer folder or Hugging Face id, when it is not the model's.")
     dtype: str = _opt("auto", "Weights and activations dtype.", ("auto", "float32", "bfloat16", "float16"))
+    quantization: str = _opt(
+        "auto",
+        "Weight format on CPU. auto: a GGUF's blocks are served as they are (Q8_0, Q4_0, Q4_1; other types "
+        "re-quantized to Q8_0), other checkpoints in --dtype; none: everything dequantized to --dtype (exact); "
+        "int8 / int4: quantize a checkpoint's linear weights at load (Q8_0 / Q4_1 blocks of 32).",
+        ("auto", "none", "int8", "int4"),
+    )
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
-    max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 derives it from free memory and --mem-fraction.")
-    mem_fraction: float = _opt(0.3, "Share of free memory given to the KV pool when --max-total-tokens is 0.")
+    max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 sizes it with --mem-fraction-static.")
+    mem_fraction_static: float = _opt(
+        0.0,
+        "Share of total memory (the GPU's, or RAM on CPU) for the weights plus the KV pool; the pool gets what the "
+        "weights and a reserve leave (docs/operations.md). 0: 0.88 on GPU, 0.5 on CPU.",
+        aliases=("--gpu-memory-utilization",),
+    )
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one step (the prefill budget).")
     max_running_requests: int = _opt(64, "Most requests in one batch.")
     max_queued_requests: int = _opt(1024, "Most requests waiting for admission; beyond it new ones are refused.")
     schedule_policy: str = _opt("lpm", "Order of admission: longest cached prefix first, or arrival.", ("lpm", "fcfs"))
     disable_radix_cache: bool = _opt(False, "Turn off prefix caching (for A/B comparisons).")
-    max_context_len: int = _opt(0, "Longest prompt + output; 0 takes the model's max_position_embeddings.")
+    max_context_len: int = _opt(
+        0,
+        "Longest prompt + output; 0 takes the model's max_position_embeddings.",
+        aliases=("--context-length", "--max-model-len"),
+    )
     seed: int = _opt(0, "Seed of the engine's own random state (requests without a seed draw from it).")
     disable_jump_forward: bool = _opt(False, "Sample grammar-forced tokens one by one instead of appending them.")
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
@@ -46,7 +84,11 @@ class EngineConfig:
     grammar_nice: int = _opt(
         19, "Niceness added to a grammar compile still running after 10 ms (Linux): it uses the CPU decoding leaves."
     )
-    tp: int = _opt(1, "Tensor-parallel ranks: attention heads, MLP and vocabulary split over N processes/GPUs.")
+    tp: int = _opt(
+        1,
+        "Tensor-parallel ranks: attention heads, MLP and vocabulary split over N processes/GPUs.",
+        aliases=("--tensor-parallel-size", "--tp-size"),
+    )
     nnodes: int = _opt(1, "Nodes the tensor-parallel ranks span (each runs --tp / --nnodes ranks).")
     node_rank: int = _opt(0, "This node's index; node 0 serves, the others only run their ranks.")
     dist_init_addr: str = _opt("", "host:port of node 0's process-group rendezvous (required with --nnodes > 1).")
@@ -56,10 +98,14 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.max_total_tokens < 0:
             raise ValueError("--max-total-tokens must be >= 0 (0 sizes the pool from free memory)")
-        if not 0.0 < self.mem_fraction <= 0.95:
-            raise ValueError(f"--mem-fraction must be in (0, 0.95], got {self.mem_fraction}")
+        if not 0.0 <= self.mem_fraction_static <= 0.98:
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 0.98] (0 picks the default), got {self.mem_fraction_static}"
+            )
         if self.chunked_prefill_size < 16:
             raise ValueError(f"--chunked-prefill-size must be >= 16, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
@@ -103,29 +149,55 @@ def _field_type(cls: type, f: dataclasses.Field) -> type:
     return tp
 
 
+class _Deprecated(argparse.Action):
+    """A flag that still works for the field that replaced it, with a warning."""
+
+    def __init__(self, *args: Any, warning: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.warning = warning
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        logging.getLogger("radixserve.config").warning("%s", self.warning)
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per field of the dataclass ``cls``; defaults honour ``RADIXSERVE_*`` variables."""
+    """Add one ``--flag`` (plus its aliases) per field of the dataclass ``cls``; defaults honour ``RADIXSERVE_*``
+    variables. A ``tuple[str, ...]`` field takes one or more values (``--flag a b``; the variable: ``a,b``)."""
     for f in dataclasses.fields(cls):
         tp = _field_type(cls, f)
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         env_value = envs.get(f.name.upper())
         help_text = f.metadata.get("help", "")
         if tp is bool:
             default = envs.get_bool(f.name.upper(), f.default)
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            continue
+        if typing.get_origin(tp) is tuple:
+            default = tuple(v for v in env_value.split(",") if v) if env_value is not None else f.default
+            parser.add_argument(*flags, nargs="+", type=str, default=default, help=f"{help_text}")
             continue
         default = tp(env_value) if env_value is not None else f.default
         parser.add_argument(
-            flag,
+            *flags,
             type=tp,
             default=default,
             choices=f.metadata.get("choices"),
             # A secret's default may come from the environment: never print it in --help.
             help=help_text if f.metadata.get("secret") else f"{help_text} (default: %(default)s)",
         )
+    names = {f.name: _field_type(cls, f) for f in dataclasses.fields(cls)}
+    for flag, (dest, warning) in DEPRECATED_FLAGS.items():
+        if dest in names:
+            parser.add_argument(flag, dest=dest, type=names[dest], action=_Deprecated, warning=warning,
+                                help=argparse.SUPPRESS)  # fmt: skip
 
 
 def from_args(cls: type[T], ns: argparse.Namespace) -> T:
     """Build ``cls`` from the parsed flags that ``add_arguments`` declared."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(ns).items() if k in names})
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values = {k: v for k, v in vars(ns).items() if k in fields}
+    for name, value in values.items():
+        if typing.get_origin(_field_type(cls, fields[name])) is tuple and isinstance(value, list):
+            values[name] = tuple(value)
+    return cls(**values)

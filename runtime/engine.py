@@ -20,32 +20,27 @@ from typing import Any
 
 import torch
 
-from constrained import CompiledGrammar, ConstraintSpec
-from runtime.attention import TorchReferenceBackend, cpu_kernels
-from runtime.config import EngineConfig
-from runtime.distributed import TensorParallelModel, finish_start, start_leader
-from runtime.engine_api import EngineAPI, Sink, final_output
-from runtime.engine_core import EngineCore
-from runtime.errors import EngineDeadError, EngineOverloadedError
-from runtime.grammar import GrammarSupport
-from runtime.kv_pool import KVPool, available_memory_bytes
-from runtime.loader import load_model
-from runtime.model_runner import ModelRunner
-from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
-from runtime.sampler import Sampler
-from runtime.sampling_params import SamplingParams
+from radixserve.constrained import CompiledGrammar, ConstraintSpec
+from radixserve.runtime.attention import TorchReferenceBackend, cpu_kernels
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.distributed import TensorParallelModel, finish_start, start_leader
+from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
+from radixserve.runtime.engine_core import EngineCore
+from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
+from radixserve.runtime.grammar import GrammarSupport
+from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.loader import load_model
+from radixserve.runtime.memory import module_bytes, size_pool
+from radixserve.runtime.model_runner import ModelRunner
+from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
+from radixserve.runtime.sampler import Sampler
+from radixserve.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("radixserve.engine")
 
 __all__ = ["Engine", "EngineDeadError", "EngineOverloadedError"]
 
 STATS_LOG_INTERVAL_S = 10.0
-
-
-def _pool_size(config: EngineConfig, per_token: int, device: torch.device) -> int:
-    if config.max_total_tokens:
-        return config.max_total_tokens
-    return max(1, int(available_memory_bytes(device) * config.mem_fraction) // per_token)
 
 
 class Engine(EngineAPI):
@@ -63,25 +58,35 @@ class Engine(EngineAPI):
         loaded = tp_start[0] if tp_start is not None else load_model(config)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
+        self.model_folder = loaded.folder
         self.device = loaded.device
         self.dtype = loaded.dtype
         args = loaded.args
         self.vocab_size = args.vocab_size
         kv_heads = args.num_kv_heads // config.tp  # each rank holds its KV heads' shard of every slot
         per_token = KVPool.bytes_per_token(args.num_layers, kv_heads, args.head_dim, loaded.dtype)
-        num_slots = _pool_size(config, per_token, loaded.device)
+        sizing = None
+        if config.max_total_tokens:
+            num_slots = config.max_total_tokens
+        else:
+            # On CPU every rank's weights and KV shard live in the same RAM; a GPU rank has its own memory.
+            sharing = config.tp if loaded.device.type == "cpu" else 1
+            weights = module_bytes(loaded.model) * sharing
+            sizing = size_pool(config.mem_fraction_static, loaded.device, weights, per_token * sharing)
+            num_slots = sizing.slots
         pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
         self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
         context = config.max_context_len or args.max_position_embeddings
         self.max_context_len = min(context, args.max_position_embeddings)
         logger.info(
-            "KV cache: %d tokens (%.1f MiB, %d KiB per token%s), context length %d, radix cache %s",
+            "KV cache: %d tokens (%.1f MiB, %d KiB per token%s), context length %d, radix cache %s; %s",
             num_slots,
             pool.nbytes / 2**20,
             per_token // 1024,
             f" on each of {config.tp} tensor-parallel ranks" if config.tp > 1 else "",
             self.max_context_len,
             "off" if config.disable_radix_cache else "on",
+            f"sized as {sizing.describe()}" if sizing is not None else "--max-total-tokens",
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
         model = self._tp if self._tp is not None else loaded.model

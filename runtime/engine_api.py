@@ -10,8 +10,8 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from runtime.request import Req, ReqOutput
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.request import Req, ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
 
 Sink = Callable[[ReqOutput], None]
 

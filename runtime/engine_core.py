@@ -10,18 +10,18 @@ from __future__ import annotations
 import logging
 import time
 
-from runtime import envs
-from runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
-from runtime.config import EngineConfig
-from runtime.detokenizer import IncrementalDetokenizer, StopChecker
-from runtime.distributed.tensor_parallel import WorkerDiedError
-from runtime.grammar import GrammarViolation, grammar_failure
-from runtime.kv_cache import KVCacheManager
-from runtime.model_runner import ModelRunner
-from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
-from runtime.scheduler import Scheduler
-from runtime.stats import EngineStats
-from runtime.validation import validate_request
+from radixserve.runtime import envs
+from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.detokenizer import IncrementalDetokenizer, StopChecker
+from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
+from radixserve.runtime.grammar import GrammarViolation, grammar_failure
+from radixserve.runtime.kv_cache import KVCacheManager
+from radixserve.runtime.model_runner import ModelRunner
+from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
+from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.stats import EngineStats
+from radixserve.runtime.validation import validate_request
 
 logger = logging.getLogger("radixserve.engine")
 

@@ -35,19 +35,19 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from runtime import ipc
-from runtime.config import EngineConfig
-from runtime.engine_api import EngineAPI, Sink, final_output
-from runtime.errors import EngineDeadError, EngineOverloadedError
-from runtime.model_source import resolve_model
-from runtime.request import ErrorCode, FinishReason, Req, ReqOutput
-from runtime.sampling_params import SamplingParams
-from runtime.validation import validate_request
-from runtime.weights import load_tokenizer
+from radixserve.runtime import ipc
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
+from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
+from radixserve.runtime.logs import configure_logging, current_format
+from radixserve.runtime.model_source import model_folder, tokenizer_folder
+from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.runtime.validation import validate_request
+from radixserve.runtime.weights import load_tokenizer
 
 logger = logging.getLogger("radixserve.engine")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The writer also wakes this often when idle, to notice an engine loop that died.
 WRITER_POLL_S = 0.5
 STOP_TIMEOUT_S = 15.0
@@ -70,12 +70,14 @@ class EngineProcess(EngineAPI):
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.engine_process", str(theirs.fileno())], pass_fds=[theirs.fileno()], env=env
+            [sys.executable, "-m", "radixserve.runtime.engine_process", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            env=env,
         )
         theirs.close()
         self._conn = Connection(ours.detach())
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self._conn.send(ipc.Start(config, level))
+        self._conn.send(ipc.Start(config, level, current_format()))
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}
@@ -100,7 +102,9 @@ class EngineProcess(EngineAPI):
         try:
             # Both processes resolve the model: whichever comes first fetches or converts it under the cache's
             # lock, the other then finds it cached.
-            self.tokenizer = load_tokenizer(resolve_model(self.config.model))
+            folder = model_folder(self.config)
+            self.model_folder = folder
+            self.tokenizer = load_tokenizer(tokenizer_folder(self.config, folder))
             info = self._await_ready()
         except BaseException:
             self.shutdown(timeout=5)
@@ -301,12 +305,12 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
 # --- the engine process ---------------------------------------------------------------------------------------
 
 
-def _engine_main(config: EngineConfig, conn: Connection, log_level: str) -> None:
-    from runtime.engine import Engine
+def _engine_main(config: EngineConfig, conn: Connection, log_level: str, log_format: str) -> None:
+    from radixserve.runtime.engine import Engine
 
     # The front end decides when the engine stops (it drains first); Ctrl+C reaches the whole process group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    configure_logging(log_level, log_format)
     try:
         engine = Engine(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
@@ -449,4 +453,4 @@ class _Bridge:
 if __name__ == "__main__":
     _conn = Connection(int(sys.argv[1]))
     _start = _conn.recv()
-    _engine_main(_start.config, _conn, _start.log_level)
+    _engine_main(_start.config, _conn, _start.log_level, _start.log_format)

@@ -1,21 +1,19 @@
-"""One-time conversion of a ``.gguf`` checkpoint into a plain float32 HF safetensors folder.
+"""One-time preparation of a ``.gguf`` checkpoint as an HF-style model folder whose weights stay in the GGUF.
 
-Quantized GGUF blocks are dequantized by transformers' GGUF loader; the result is saved with
-``save_pretrained(safe_serialization=True)`` together with a fast tokenizer rebuilt from the GGUF's
-tokenizer metadata. The engine casts to its runtime dtype at load time, so the folder stays float32.
+transformers reads the GGUF's metadata into config.json and a fast tokenizer (rebuilt from the tokenizer
+metadata); the GGUF itself becomes the folder's ``model.gguf``, read at load with its blocks kept
+(``runtime.gguf_weights``), so nothing is dequantized on disk.
 
-``runtime.model_source`` decides *where* the folder goes and makes the write atomic; this module only
-knows *how* to fill a folder and to check that the result is usable (weights dense, tokenizer fast,
-chat template present and rendering, eos token set).
+``runtime.model_source`` decides *where* the folder goes and makes the write atomic; this module only knows *how*
+to fill a folder and to check that the result is usable (tokenizer fast, chat template present and rendering,
+eos token set).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 LOGGER = logging.getLogger("radixserve.model")
 
@@ -32,45 +30,6 @@ def read_gguf_chat_template(gguf_file: Path) -> str | None:
         return None
     # A string field keeps its bytes in the part that data[0] points to (the layout of every gguf release).
     return bytes(field.parts[field.data[0]]).decode("utf-8")
-
-
-def _load_kwargs(gguf_name: str) -> dict[str, Any]:
-    """``from_pretrained`` keywords that force a dense float32 model across transformers versions."""
-    import torch
-    import transformers
-    from packaging.version import Version
-
-    # transformers renamed torch_dtype to dtype in 4.56 and warns on the old name since.
-    dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-    kwargs: dict[str, Any] = {dtype_key: torch.float32}
-    try:
-        from transformers.utils.quantization_config import GgufConfig
-    except ImportError:  # older transformers always dequantize GGUF weights on load
-        return kwargs
-    # Newer transformers may keep GGUF blocks packed (when matmul kernels are installed); we want dense ones.
-    if "dequantize" in inspect.signature(GgufConfig.__init__).parameters:
-        kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_name, dequantize=True)
-    return kwargs
-
-
-def _detach_quantizer(model: Any) -> None:
-    """Make a dequantized GGUF model look like an ordinary one so ``save_pretrained`` accepts it.
-
-    Only safe because every parameter was checked to be a dense float32 tensor first.
-    """
-    import torch
-
-    for name, param in model.named_parameters():
-        if param.dtype != torch.float32:
-            raise RuntimeError(
-                f"GGUF conversion left parameter {name} as {param.dtype}, not float32; this transformers "
-                "version kept GGUF weights packed. Upgrade or downgrade transformers, or convert the model "
-                "with llama.cpp's tools and pass the HF folder instead."
-            )
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
 
 
 def _write_chat_template_key(folder: Path, template: str) -> None:
@@ -111,24 +70,28 @@ def verify_tokenizer(folder: Path, *, chat_marker: str | None = None, eos_token:
         raise RuntimeError(f"chat template of {folder} renders without {chat_marker!r}: {rendered!r}")
 
 
-def convert_gguf(
-    gguf_file: Path, dest: Path, *, chat_marker: str | None = None, eos_token: str | None = None
-) -> Path:
-    """Dequantize ``gguf_file`` into the (existing, empty) folder ``dest``; return ``dest``.
+WEIGHTS_FILE = "model.gguf"
 
-    Writes config.json (without any quantization_config), float32 ``*.safetensors``, generation_config.json,
-    tokenizer.json, tokenizer_config.json (with ``chat_template`` when the GGUF has one; recovered from the
-    GGUF metadata if transformers drops it) and chat_template.jinja on recent transformers. Not atomic:
+
+def convert_gguf(
+    gguf_file: Path, dest: Path, *, chat_marker: str | None = None, eos_token: str | None = None, move: bool = False
+) -> Path:
+    """Make ``dest`` (an existing, empty folder) a model folder whose weights are the GGUF itself; return ``dest``.
+
+    Writes config.json and generation_config.json (from the GGUF's metadata, read by transformers), tokenizer.json
+    and tokenizer_config.json (with ``chat_template`` when the GGUF has one; recovered from the metadata if
+    transformers drops it) and chat_template.jinja on recent transformers, and puts the GGUF in as ``model.gguf``:
+    a symbolic link to ``gguf_file`` (the user's own file stays where it is), or with ``move`` the file itself. The
+    weights are read from it at load, blocks kept (``runtime.gguf_weights``): no float32 copy on disk. Not atomic:
     callers that publish ``dest`` must build it in a temporary folder and rename.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_file, dest = Path(gguf_file).resolve(), Path(dest)
     folder, name = str(gguf_file.parent), gguf_file.name
-
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **_load_kwargs(name))
-    _detach_quantizer(model)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:  # surface *which* step failed; transformers' message alone is cryptic here
@@ -142,17 +105,24 @@ def convert_gguf(
         if template:
             LOGGER.info("recovered the chat template from %s's metadata", gguf_file.name)
             tokenizer.chat_template = template
-    if model.config.eos_token_id is None and tokenizer.eos_token_id is not None:
-        model.config.eos_token_id = tokenizer.eos_token_id
-    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if getattr(config, "eos_token_id", None) is None and tokenizer.eos_token_id is not None:
+        config.eos_token_id = tokenizer.eos_token_id
+    max_pos = getattr(config, "max_position_embeddings", None)
     if isinstance(max_pos, int) and max_pos > 0:
         tokenizer.model_max_length = max_pos
-
-    with torch.no_grad():
-        model.save_pretrained(str(dest), safe_serialization=True)
-    del model
+    config.architectures = config.architectures or [_ARCHITECTURES.get(config.model_type, "LlamaForCausalLM")]
+    config.save_pretrained(str(dest))
+    GenerationConfig.from_model_config(config).save_pretrained(str(dest))
     tokenizer.save_pretrained(str(dest))
     if template:
         _write_chat_template_key(dest, template)
     verify_tokenizer(dest, chat_marker=chat_marker, eos_token=eos_token)
+    target = dest / WEIGHTS_FILE
+    if move:
+        gguf_file.replace(target)
+    else:
+        target.symlink_to(gguf_file)
     return dest
+
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from constrained import (
+from radixserve.constrained import (
     CompiledGrammar,
     ConstraintSpec,
     GrammarCompiler,
@@ -22,8 +22,8 @@ from constrained import (
     bitmask_to_bool,
     fill_bitmasks,
 )
-from runtime.batch import Failure
-from runtime.request import ErrorCode, Req
+from radixserve.runtime.batch import Failure
+from radixserve.runtime.request import ErrorCode, Req
 
 
 class GrammarViolation(RuntimeError):

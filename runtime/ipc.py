@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from runtime.request import ReqOutput
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.request import ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from constrained import ConstraintSpec
-    from runtime.config import EngineConfig
+    from radixserve.constrained import ConstraintSpec
+    from radixserve.runtime.config import EngineConfig
 
 # --- front end -> engine ----------------------------------------------------------------------------------------
 
@@ -26,6 +26,7 @@ class Start:
 
     config: EngineConfig
     log_level: str
+    log_format: str = "text"
 
 
 @dataclass(frozen=True)

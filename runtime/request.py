@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.sampling_params import SamplingParams
 
 
 class ErrorCode(str, enum.Enum):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.request import Req, TokenLogprob
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.request import Req, TokenLogprob
+from radixserve.runtime.sampling_params import SamplingParams
 
 # Rows per chunk in ``token_logprobs``, sized so a float32 copy of one chunk stays near 256 MiB.
 _LOGPROB_CHUNK_ELEMS = 1 << 26

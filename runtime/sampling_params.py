@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from constrained import ConstraintSpec
+    from radixserve.constrained import ConstraintSpec
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20

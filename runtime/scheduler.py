@@ -12,10 +12,10 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from runtime.batch import BatchPlan, ScheduledChunk
-from runtime.config import EngineConfig
-from runtime.kv_cache import KVCacheManager
-from runtime.request import FinishReason, Req
+from radixserve.runtime.batch import BatchPlan, ScheduledChunk
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.kv_cache import KVCacheManager
+from radixserve.runtime.request import FinishReason, Req
 
 logger = logging.getLogger("radixserve.scheduler")
 

@@ -3,7 +3,7 @@ engine process (which refuses at once, without a round trip)."""
 
 from __future__ import annotations
 
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.sampling_params import SamplingParams
 
 
 def validate_request(

@@ -17,11 +17,11 @@ __all__ = ["ServerConfig", "attach_server", "create_app"]
 def __getattr__(name: str) -> Any:
     # Lazy: `radixserve serve` starts the engine process before it imports the app (and torch with it).
     if name == "ServerConfig":
-        from server.config import ServerConfig
+        from radixserve.server.config import ServerConfig
 
         return ServerConfig
     if name in ("attach_server", "create_app"):
-        from server import app
+        from radixserve.server import app
 
         return getattr(app, name)
     raise AttributeError(f"module 'server' has no attribute {name!r}")

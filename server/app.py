@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from server import native_routes, openai_chat, openai_completions, openai_models
-from server.config import ServerConfig
-from server.errors import install_error_handlers
-from server.lifecycle import drain_on_exit
-from server.limits import RequestLimits
-from server.state import EngineFactory, ServerState
+from radixserve.server import native_routes, openai_chat, openai_completions, openai_models
+from radixserve.server.config import ServerConfig
+from radixserve.server.errors import install_error_handlers
+from radixserve.server.lifecycle import drain_on_exit
+from radixserve.server.limits import RequestLimits
+from radixserve.server.request_id import RequestIdMiddleware
+from radixserve.server.state import EngineFactory, ServerState
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from radixserve.runtime.engine import Engine
 
 logger = logging.getLogger("radixserve.server")
 
@@ -76,6 +77,7 @@ def create_app(
         max_json_depth=config.max_json_depth,
         read_timeout=config.request_read_timeout,
     )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response, errors of the limits included
     app.include_router(native_routes.health_router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)

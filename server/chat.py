@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatMessage
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text")

@@ -21,12 +21,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from runtime.config import EngineConfig, add_arguments, from_args
-from server.config import ServerConfig
+from radixserve.runtime.config import EngineConfig, add_arguments, from_args
+from radixserve.runtime.logs import configure_logging
+from radixserve.server.config import ServerConfig
 
 logger = logging.getLogger("radixserve.server")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOAD_CHECK_S = 0.2
 
 
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve a model over HTTP (OpenAI-compatible /v1 and SGLang-style native routes).",
         description="Every flag can also be set with an environment variable RADIXSERVE_<FLAG_NAME>.",
     )
+    serve.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="The model, as `vllm serve MODEL` takes it (same as --model)."
+    )
     add_arguments(serve.add_argument_group("engine"), EngineConfig)  # type: ignore[arg-type]
     add_arguments(serve.add_argument_group("server"), ServerConfig)  # type: ignore[arg-type]
     _add_router_commands(commands)
@@ -45,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_router_commands(commands: argparse._SubParsersAction) -> None:
-    from server.router.config import RayServeConfig, RouterConfig, RoutingConfig, add_config_arguments
+    from radixserve.server.router.config import RayServeConfig, RouterConfig, RoutingConfig, add_config_arguments
 
     router = commands.add_parser(
         "router",
@@ -64,26 +67,22 @@ def _add_router_commands(commands: argparse._SubParsersAction) -> None:
     add_config_arguments(ray_serve.add_argument_group("routing"), RoutingConfig)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
-
-
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logger.info("engine config: %s", json.dumps(asdict(engine_config)))
     logger.info("server config: %s", json.dumps(server_config.redacted()))
     if server_config.engine_process:
-        from runtime.engine_process import EngineProcess
+        from radixserve.runtime.engine_process import EngineProcess
 
         # Started first, so that the model loads while this process imports the server and starts listening.
         factory = EngineProcess(engine_config, wait=False).wait_ready
     else:
-        from runtime.engine import Engine
+        from radixserve.runtime.engine import Engine
 
         factory = lambda: Engine(engine_config)  # noqa: E731
     import uvicorn
 
-    from server.app import attach_server, create_app
-    from server.lifecycle import uvicorn_options
+    from radixserve.server.app import attach_server, create_app
+    from radixserve.server.lifecycle import uvicorn_options
 
     app = create_app(factory, server_config, model=engine_config.model)
     uv_config = uvicorn.Config(
@@ -128,21 +127,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _router(parser, args)
     if args.command == "ray-serve":
         return _ray_serve(parser, args)
+    if args.model_tag:
+        args.model = args.model_tag
     try:
         engine_config = from_args(EngineConfig, args)
         server_config = from_args(ServerConfig, args)
     except ValueError as exc:
         parser.error(str(exc))
-    configure_logging(server_config.log_level)
+    configure_logging(server_config.log_level, server_config.log_format)
     if engine_config.node_rank > 0:
-        from runtime.distributed import run_worker_node
+        from radixserve.runtime.distributed import run_worker_node
 
         return run_worker_node(engine_config)  # tensor-parallel ranks only; node 0 serves
     return serve(engine_config, server_config)
 
 def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from server.router.config import RouterConfig, RoutingConfig
-    from server.router.process import run_router
+    from radixserve.server.router.config import RouterConfig, RoutingConfig
+    from radixserve.server.router.process import run_router
 
     try:
         config, routing = from_args(RouterConfig, args), from_args(RoutingConfig, args)
@@ -153,7 +154,7 @@ def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from server.router.config import RayServeConfig, RoutingConfig
+    from radixserve.server.router.config import RayServeConfig, RoutingConfig
 
     try:
         engine_config, routing = from_args(EngineConfig, args), from_args(RoutingConfig, args)
@@ -162,7 +163,7 @@ def _ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         parser.error(str(exc))
     configure_logging(ray_config.log_level)
     try:
-        from server.router.ray_serve import run_ray_serve
+        from radixserve.server.router.ray_serve import run_ray_serve
     except ImportError as exc:
         parser.error(f"ray-serve needs Ray Serve: pip install 'radixserve[ray]' ({exc})")
     return run_ray_serve(engine_config, routing, ray_config)

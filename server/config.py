@@ -21,10 +21,25 @@ class ServerConfig:
 
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 to accept connections from other machines).")
     port: int = _opt(30000, "TCP port to listen on.")
-    api_key: str = _opt("", "If set, every route but /health needs 'Authorization: Bearer <key>'.", secret=True)
-    served_model_name: str = _opt("", "Model name clients use; default: the --model value's last path part.")
+    api_key: str = _opt(
+        "", "If set, the API and admin routes need 'Authorization: Bearer <key>' (not /health, /metrics).", secret=True
+    )
+    protect_metrics: bool = _opt(False, "With --api-key, /metrics needs the key too.")
+    served_model_name: tuple[str, ...] = _opt(
+        (), "Model name(s) clients use; the first is reported in responses. Default: the --model value's last part."
+    )
+    generation_config: str = _opt(
+        "auto",
+        "Sampling defaults for parameters a request leaves out: 'auto' reads the model's generation_config.json, "
+        "'vllm' uses none (temperature 1, top_p 1), or a folder or file holding a generation_config.json.",
+    )
     chat_template: str = _opt("", "A Jinja chat template (a file path or the template text) overriding the model's.")
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
+    log_format: str = _opt(
+        "text",
+        "text, or json: one JSON object per line, with the request id of lines written for a request.",
+        ("text", "json"),
+    )
     shutdown_grace_period: float = _opt(
         10.0, "Seconds in-flight requests get to finish after SIGTERM before they are aborted."
     )
@@ -40,6 +55,15 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.served_model_name, str):  # one name given as a string (the Python API)
+            object.__setattr__(self, "served_model_name", (self.served_model_name,) if self.served_model_name else ())
+        if any(not n.strip() for n in self.served_model_name):
+            raise ValueError("--served-model-name values must not be empty")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().exists():
+            raise ValueError(
+                f"--generation-config must be auto, vllm, or a path to a generation_config.json (or its folder); "
+                f"{self.generation_config!r} does not exist"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.shutdown_grace_period < 0:
@@ -50,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"--max-json-depth must be >= 8, got {self.max_json_depth}")
         if self.request_read_timeout <= 0:
             raise ValueError(f"--request-read-timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.chat_template:

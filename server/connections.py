@@ -16,7 +16,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from server.errors import error_body
+from radixserve.server.errors import error_body
 
 
 def _timeout_response(timeout: float) -> bytes:

@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from constrained import ConstraintSpec, GrammarError
-from constrained.spec import ConstraintKind
-from server.errors import APIError, bad_request, grammar_error
-from server.metrics import Metrics
-from server.protocol import ResponseFormat
+from radixserve.constrained import ConstraintSpec, GrammarError
+from radixserve.constrained.spec import ConstraintKind
+from radixserve.server.errors import APIError, bad_request, grammar_error
+from radixserve.server.metrics import Metrics
+from radixserve.server.protocol import ResponseFormat
 
 # Request field -> constraint kind, in the order conflicts are reported.
 CONSTRAINT_FIELDS: dict[str, ConstraintKind] = {

@@ -8,8 +8,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from server.errors import APIError
-from server.state import ServerState
+from radixserve.server.errors import APIError
+from radixserve.server.state import ServerState
 
 _bearer = HTTPBearer(auto_error=False, description="The server's --api-key, if it was started with one.")
 
@@ -37,6 +37,15 @@ def require_api_key(
         )
     if not hmac.compare_digest(credentials.credentials.encode("utf-8"), key.encode("utf-8")):
         raise APIError(401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_metrics_key(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """As ``require_api_key``, for /metrics, only with ``--protect-metrics`` (a Prometheus scrape needs no key
+    by default, as with vLLM)."""
+    if get_state(request).config.protect_metrics:
+        require_api_key(request, credentials)
 
 
 # ``state: StateDep`` in a route signature injects the shared state (an Annotated alias keeps ruff's B008 quiet).

@@ -19,10 +19,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from runtime.request import FinishReason, ReqOutput, TokenLogprob
-from runtime.sampling_params import SamplingParams
-from server.errors import APIError, from_engine_error
-from server.metrics import Metrics
+from radixserve.runtime.request import FinishReason, ReqOutput, TokenLogprob
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.errors import APIError, from_engine_error
+from radixserve.server.metrics import Metrics
 
 DISCONNECT_POLL_S = 0.2
 _DISCONNECTED = -1

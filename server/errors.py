@@ -15,9 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from constrained import GrammarError
-from runtime.errors import EngineDeadError, EngineOverloadedError
-from runtime.request import ErrorCode
+from radixserve.constrained import GrammarError
+from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
+from radixserve.runtime.request import ErrorCode
 
 logger = logging.getLogger("radixserve.server")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from server.errors import APIError
+from radixserve.server.errors import APIError
 
 logger = logging.getLogger("radixserve.server")
 

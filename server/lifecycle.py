@@ -20,9 +20,9 @@ import asyncio
 import logging
 from typing import Any
 
-from server.config import ServerConfig
-from server.connections import guarded_h11
-from server.state import ServerState
+from radixserve.server.config import ServerConfig
+from radixserve.server.connections import guarded_h11
+from radixserve.server.state import ServerState
 
 logger = logging.getLogger("radixserve.server")
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from radixserve.server.errors import error_body
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHUNK = 1 << 20  # bytes measured per vectorized pass: bounded memory whatever the body's size

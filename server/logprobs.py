@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from runtime.request import TokenLogprob
+from radixserve.runtime.request import TokenLogprob
 
 Names = Callable[[int], str]
 

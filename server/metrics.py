@@ -28,7 +28,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from runtime.request import ReqOutput
+from radixserve.runtime.request import ReqOutput
 
 PREFIX = "radixserve:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -129,8 +129,22 @@ class Metrics:
         self.evicted = Counter(
             f"{PREFIX}evicted_tokens", "Cached prefix tokens evicted from the radix cache.", labels, registry=r
         )
-        self._seen = {"retractions": 0, "evicted_tokens": 0}  # engine totals at the last scrape
+        # As vLLM's prefix_cache_queries / prefix_cache_hits: counters in tokens, which sum across replicas (a
+        # hit-rate gauge does not): rate(hits) / rate(queries) is the hit rate of any set of servers.
+        self.cache_queries = Counter(
+            f"{PREFIX}prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (at admission).",
+            labels,
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache (at admission).", labels, registry=r
+        )
+        # Engine totals at the last scrape, per counter that follows one.
+        self._seen = {"retractions": 0, "evicted_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self.model_name = model_name
+        for counter in (self.retractions, self.evicted, self.cache_queries, self.cache_hits):
+            counter.labels(model_name)  # exported from the start, at 0, so that rate() has a first sample
         self.awaiting_grammar = 0  # compiles the server awaits before submitting (event-loop thread only)
         self._engine_grammar_queue = 0
         self.grammar_waiting.labels(model_name).set(0)
@@ -175,7 +189,13 @@ class Metrics:
         self.kv_cached.labels(m).set(kv["cached_tokens"])
         stats = info.get("cache_stats", {})
         self.hit_rate.labels(m).set(stats.get("cache_hit_rate", 0.0))
-        for name, counter in (("retractions", self.retractions), ("evicted_tokens", self.evicted)):
+        followed = (
+            ("retractions", self.retractions),
+            ("evicted_tokens", self.evicted),
+            ("prompt_tokens", self.cache_queries),
+            ("cached_prompt_tokens", self.cache_hits),
+        )
+        for name, counter in followed:
             total = int(stats.get(name, 0))
             if total > self._seen[name]:  # the engine's totals only grow: export the increase as a counter
                 counter.labels(m).inc(total - self._seen[name])

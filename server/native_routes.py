@@ -12,21 +12,21 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from runtime.request import FinishReason
-from runtime.sampling_params import SamplingParams
-from server.chat import normalize_messages
-from server.constraints import compile_constraints, native_constraint
-from server.deps import StateDep, require_api_key
-from server.engine_client import RequestGroup, Result
-from server.errors import APIError, bad_request, from_engine_error, request_failed
-from server.extra_fields import check_extra_fields
-from server.logprobs import native_logprobs, prompt_entries
-from server.metrics import CONTENT_TYPE
-from server.params import native_params
-from server.protocol import AbortRequest, ChatMessage, GenerateRequest
-from server.state import ServerState
-from server.streaming import DONE, SSEResponse, sse
-from server.tokens import encode
+from radixserve.runtime.request import FinishReason
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.chat import normalize_messages
+from radixserve.server.constraints import compile_constraints, native_constraint
+from radixserve.server.deps import StateDep, require_api_key, require_metrics_key
+from radixserve.server.engine_client import RequestGroup, Result
+from radixserve.server.errors import APIError, bad_request, from_engine_error, request_failed
+from radixserve.server.extra_fields import check_extra_fields
+from radixserve.server.logprobs import native_logprobs, prompt_entries
+from radixserve.server.metrics import CONTENT_TYPE
+from radixserve.server.params import native_params
+from radixserve.server.protocol import AbortRequest, ChatMessage, GenerateRequest
+from radixserve.server.state import ServerState
+from radixserve.server.streaming import DONE, SSEResponse, sse
+from radixserve.server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Native"])
 health_router = APIRouter(tags=["Native"])
@@ -116,6 +116,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep):
             top_logprobs_num=body.top_logprobs_num,
             logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
             vocab_size=engine.vocab_size,
+            defaults=state.sampling_defaults,
         )
         for i in range(len(prompts))
     ]
@@ -240,7 +241,12 @@ async def abort_request(body: AbortRequest, state: StateDep) -> dict[str, Any]:
     return {"success": True, "aborted": rids}
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@health_router.get(
+    "/metrics",
+    summary="Prometheus metrics (open unless --protect-metrics)",
+    response_class=Response,
+    dependencies=[Depends(require_metrics_key)],
+)
 async def metrics(state: StateDep) -> Response:
     if state.status()[0] == "ready":
         with contextlib.suppress(APIError):  # the engine just stopped: still serve the counters

@@ -18,26 +18,26 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from runtime.request import FinishReason, ReqOutput
-from server.constraints import (
+from radixserve.runtime.request import FinishReason, ReqOutput
+from radixserve.server.constraints import (
     RequestConstraint,
     at_most_one,
     body_constraints,
     compile_constraints,
     response_format_constraint,
 )
-from server.deps import StateDep, require_api_key
-from server.engine_client import RequestGroup, Result
-from server.errors import bad_request, request_failed
-from server.extra_fields import check_extra_fields
-from server.logprobs import chat_logprobs
-from server.params import budget, openai_params
-from server.protocol import ChatCompletionRequest
-from server.state import ServerState
-from server.streaming import DONE, SSEResponse, stream_chunk
-from server.tokens import encode
-from server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
-from server.tool_parser import ToolCallStream, parse_tool_calls
+from radixserve.server.deps import StateDep, require_api_key
+from radixserve.server.engine_client import RequestGroup, Result
+from radixserve.server.errors import bad_request, request_failed
+from radixserve.server.extra_fields import check_extra_fields
+from radixserve.server.logprobs import chat_logprobs
+from radixserve.server.params import budget, openai_params
+from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.state import ServerState
+from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
+from radixserve.server.tokens import encode
+from radixserve.server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
+from radixserve.server.tool_parser import ToolCallStream, parse_tool_calls
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -102,6 +102,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         return_logprob=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
         constraint=constraint.spec if constraint is not None else None,
+        defaults=state.sampling_defaults,
     )
     await compile_constraints(engine, state.metrics, [constraint])
     cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -16,20 +16,20 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from runtime.request import ReqOutput
-from runtime.sampling_params import SamplingParams
-from server.constraints import at_most_one, body_constraints, compile_constraints
-from server.deps import StateDep, require_api_key
-from server.engine_client import RequestGroup, Result
-from server.errors import bad_request
-from server.extra_fields import check_extra_fields
-from server.logprobs import completion_logprobs, prompt_entries
-from server.openai_chat import finish_reason, usage
-from server.params import budget, openai_params
-from server.protocol import CompletionRequest
-from server.state import ServerState
-from server.streaming import DONE, SSEResponse, stream_chunk
-from server.tokens import encode
+from radixserve.runtime.request import ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.constraints import at_most_one, body_constraints, compile_constraints
+from radixserve.server.deps import StateDep, require_api_key
+from radixserve.server.engine_client import RequestGroup, Result
+from radixserve.server.errors import bad_request
+from radixserve.server.extra_fields import check_extra_fields
+from radixserve.server.logprobs import completion_logprobs, prompt_entries
+from radixserve.server.openai_chat import finish_reason, usage
+from radixserve.server.params import budget, openai_params
+from radixserve.server.protocol import CompletionRequest
+from radixserve.server.state import ServerState
+from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
+from radixserve.server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -95,6 +95,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             top_logprobs=body.logprobs or 0,
             echo_logprobs=body.echo and want_lps,
             constraint=constraint.spec if constraint is not None else None,
+            defaults=state.sampling_defaults,
         )
         requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
     await compile_constraints(engine, state.metrics, [constraint])

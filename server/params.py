@@ -11,11 +11,11 @@ import dataclasses
 import re
 from typing import Any
 
-from constrained import ConstraintSpec
-from runtime.sampling_params import SamplingParams
-from server.constraints import CONSTRAINT_FIELDS, native_constraint
-from server.errors import bad_request, from_engine_error
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.constrained import ConstraintSpec
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.constraints import CONSTRAINT_FIELDS, native_constraint
+from radixserve.server.errors import bad_request, from_engine_error
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 _NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "return_logprob",
@@ -99,19 +99,18 @@ def openai_params(
     top_logprobs: int,
     echo_logprobs: bool = False,
     constraint: ConstraintSpec | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> list[SamplingParams]:
     """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
-    carries ``constraint``."""
+    carries ``constraint``. ``defaults`` (the model's generation config) fill the sampling parameters the request
+    did not send."""
     if req.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_new_tokens})", "min_tokens")
+    sampling = _sampling_fields(req, defaults or {})
     params = SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
+        **sampling,
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         seed=req.seed,
@@ -132,16 +131,38 @@ def openai_params(
     return [dataclasses.replace(params, seed=s, stop=list(params.stop)) for s in seeds]
 
 
+# Sampling parameters a generation config may give defaults for, with the server's own default.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _sampling_fields(req: ChatCompletionRequest | CompletionRequest, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Each sampling parameter as the request sent it, else the model's default, else the server's."""
+    sent = req.model_fields_set
+    return {
+        name: getattr(req, name) if name in sent and getattr(req, name) is not None else defaults.get(name, fallback)
+        for name, fallback in SAMPLING_DEFAULTS.items()
+    }
+
+
 def native_params(
-    raw: dict[str, Any] | None, *, return_logprob: bool, top_logprobs_num: int, logprob_start_len: int, vocab_size: int
+    raw: dict[str, Any] | None,
+    *,
+    return_logprob: bool,
+    top_logprobs_num: int,
+    logprob_start_len: int,
+    vocab_size: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` from an SGLang-style ``sampling_params`` dict; unknown keys are a 400, not ignored,
     because a misspelt sampling parameter silently changes what is generated. The constraint fields (``regex``,
     ``json_schema``, ``ebnf``/``grammar``, ``choices``; at most one) set ``constraint``, checked for shape only:
-    the route compiles it before submitting."""
+    the route compiles it before submitting. ``defaults`` fill the sampling parameters the dict leaves out."""
     raw = dict(raw or {})
     constraint = native_constraint(raw)
     raw = {_NATIVE_ALIASES.get(k, k): v for k, v in raw.items() if k not in CONSTRAINT_FIELDS}
+    for key, value in (defaults or {}).items():
+        if raw.get(key) is None:
+            raw[key] = value
     unknown = sorted(set(raw) - _NATIVE_FIELDS)
     if unknown:
         raise bad_request(

@@ -13,18 +13,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from server.chat import render_chat
-from server.config import ServerConfig, default_served_name, load_chat_template
-from server.errors import APIError
-from server.metrics import Metrics
-from server.tokens import TokenNames
+from radixserve.server.chat import render_chat
+from radixserve.server.config import ServerConfig, default_served_name, load_chat_template
+from radixserve.server.errors import APIError
+from radixserve.server.generation_defaults import sampling_defaults
+from radixserve.server.metrics import Metrics
+from radixserve.server.tokens import TokenNames
 
 RETRY_AFTER_UNAVAILABLE_S = 5
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
-    from server.engine_client import RequestGroup
-    from server.protocol import ChatCompletionRequest
+    from radixserve.runtime.engine import Engine
+    from radixserve.server.engine_client import RequestGroup
+    from radixserve.server.protocol import ChatCompletionRequest
 
 logger = logging.getLogger("radixserve.server")
 
@@ -35,7 +36,10 @@ class ServerState:
     def __init__(self, engine_or_factory: Engine | EngineFactory, config: ServerConfig, model_spec: str) -> None:
         self.config = config
         self.model_spec = model_spec
-        self.served_name = config.served_model_name or default_served_name(model_spec)
+        # Every name a request may use; the first is the one responses and /v1/models report first.
+        self.served_names = config.served_model_name or (default_served_name(model_spec),)
+        self.served_name = self.served_names[0]
+        self.sampling_defaults: dict[str, float | int] = {}
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
         self.metrics = Metrics(self.served_name)
         self.inflight: dict[str, RequestGroup] = {}
@@ -85,6 +89,7 @@ class ServerState:
         self._set_engine(engine)
 
     def _set_engine(self, engine: Engine) -> None:
+        self.sampling_defaults = sampling_defaults(self.config.generation_config, getattr(engine, "model_folder", None))
         self.kv_total_tokens = int(engine.server_info()["kv_cache"]["total_tokens"])
         self.token_names = TokenNames(engine.tokenizer)
         self._engine = engine
@@ -118,7 +123,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """404 unless ``model`` is the served name or the --model spec (or left out)."""
-        if model is None or model in (self.served_name, self.model_spec):
+        if model is None or model in self.served_names or model == self.model_spec:
             return
         raise APIError(
             404,
@@ -142,6 +147,8 @@ class ServerState:
     def describe(self) -> dict[str, Any]:
         return {
             "served_model_name": self.served_name,
+            "served_model_names": list(self.served_names),
+            "sampling_defaults": self.sampling_defaults,
             "server_config": self.config.redacted(),
             "num_requests_awaiting_grammar": self.metrics.awaiting_grammar,
         }

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.errors import APIError, internal_error
+from radixserve.server.errors import APIError, internal_error
 
 logger = logging.getLogger("radixserve.server")
 

@@ -13,8 +13,8 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
-from server.app import attach_server
-from server.lifecycle import uvicorn_options
+from radixserve.server.app import attach_server
+from radixserve.server.lifecycle import uvicorn_options
 
 START_TIMEOUT_S = 30.0
 

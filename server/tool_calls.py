@@ -26,11 +26,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from constrained.schema_refs import rebase_refs
-from server.constraints import RequestConstraint, make_constraint
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, NamedToolChoice
-from server.tool_parser import ParsedToolCall, new_call_id
+from radixserve.constrained.schema_refs import rebase_refs
+from radixserve.server.constraints import RequestConstraint, make_constraint
+from radixserve.server.errors import bad_request
+from radixserve.server.protocol import ChatCompletionRequest, NamedToolChoice
+from radixserve.server.tool_parser import ParsedToolCall, new_call_id
 
 Subs = tuple[tuple[str, str], ...]
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import AttentionMetadata, PrefixGroup, TorchReferenceBackend
-from runtime.kv_pool import KVPool
+from radixserve.runtime.attention import AttentionMetadata, PrefixGroup, TorchReferenceBackend
+from radixserve.runtime.kv_pool import KVPool
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

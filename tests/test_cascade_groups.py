@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
 
 HEAD = [1, 2, 3, 4, 5]  # as a chat template's "<|im_start|>system\n"
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from constrained import (
+from radixserve.constrained import (
     ConstraintSpec,
     GrammarCompiler,
     GrammarError,
@@ -19,8 +19,8 @@ from constrained import (
     bitmask_to_bool,
     fill_bitmasks,
 )
-from constrained.backend import LLGuidanceBackend
-from constrained.regex_check import forced_run
+from radixserve.constrained.backend import LLGuidanceBackend
+from radixserve.constrained.regex_check import forced_run
 
 PERSON = {
     "type": "object",
@@ -36,8 +36,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from runtime.model_source import resolve_model
-    from runtime.weights import load_tokenizer
+    from radixserve.runtime.model_source import resolve_model
+    from radixserve.runtime.weights import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from constrained import ConstraintSpec, GrammarCompiler, TokenizerInfo, allocate_bitmask, apply_bitmask
+from radixserve.constrained import ConstraintSpec, GrammarCompiler, TokenizerInfo, allocate_bitmask, apply_bitmask
 
 pytestmark = pytest.mark.real_model
 
@@ -42,15 +42,13 @@ FIXED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def setup():
-    from transformers import AutoModelForCausalLM
-
-    from runtime.model_source import resolve_model
-    from runtime.weights import load_tokenizer
+def setup(hf_smollm2):
+    from radixserve.runtime.model_source import resolve_model
+    from radixserve.runtime.weights import load_tokenizer
 
     folder = resolve_model("smollm2-135m-instruct")
     tokenizer = load_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = hf_smollm2
     info = TokenizerInfo.from_hf(tokenizer, vocab_size=model.config.vocab_size)
     compiler = GrammarCompiler(info)
     yield tokenizer, model, info, compiler

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from constrained.json_schema import as_draft_2020, rewrite_schema
-from constrained.schema_regex import complement_regex, negate_pattern
-from constrained.spec import ConstraintSpec, GrammarError
+from radixserve.constrained.json_schema import as_draft_2020, rewrite_schema
+from radixserve.constrained.schema_regex import complement_regex, negate_pattern
+from radixserve.constrained.spec import ConstraintSpec, GrammarError
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from runtime.attention.cpu_kernels import decode_attention_op, reference_decode_attention
+from radixserve.runtime.attention.cpu_kernels import decode_attention_op, reference_decode_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
 
@@ -60,12 +60,15 @@ def test_a_build_killed_midway_does_not_block_later_starts(op) -> None:
     import sys
     from pathlib import Path
 
-    from runtime import envs
-    from runtime.attention.cpu_kernels import SOURCE, _build_key
+    from radixserve.runtime import envs
+    from radixserve.runtime.cpu_ext import sources_key
 
-    build_dir = envs.cache_dir() / "kernels" / _build_key(SOURCE.read_text())
+    build_dir = envs.cache_dir() / "kernels" / sources_key()
     (build_dir / "lock").touch()  # what a process killed mid-build leaves
-    code = "from runtime.attention.cpu_kernels import decode_attention_op; assert decode_attention_op() is not None"
+    code = (
+        "from radixserve.runtime.attention.cpu_kernels import decode_attention_op\n"
+        "assert decode_attention_op() is not None"
+    )
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from runtime.detokenizer import CONTEXT_TOKENS, MAX_WINDOW_TOKENS, IncrementalDetokenizer, StopChecker
+from radixserve.runtime.detokenizer import CONTEXT_TOKENS, MAX_WINDOW_TOKENS, IncrementalDetokenizer, StopChecker
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog. ",

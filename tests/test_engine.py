@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:",
@@ -249,7 +249,7 @@ def test_grammar_hitting_a_backend_limit_fails_alone_as_the_clients_fault(engine
     ``[bc]`` head is written, so the failure happens while decoding. It must fail that request with a grammar
     error (a 400 over HTTP), and never a token outside the grammar, while the others finish. (The ``\p{Greek}``
     tail, which Python's ``re`` cannot parse, keeps the submit-time check of forced stretches from refusing it.)"""
-    from constrained import ConstraintSpec
+    from radixserve.constrained import ConstraintSpec
 
     pathological = greedy(40, constraint=ConstraintSpec("regex", r"[bc]{12}(a{1000}){1000}(\p{Greek})?"))
     results = engine.generate(PROMPTS[:3], [pathological, greedy(6), greedy(6)])

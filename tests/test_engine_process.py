@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from constrained import ConstraintSpec, GrammarError
-from runtime.engine import Engine, EngineDeadError, EngineOverloadedError
-from runtime.engine_process import EngineProcess
-from runtime.sampling_params import SamplingParams
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.constrained import ConstraintSpec, GrammarError
+from radixserve.runtime.engine import Engine, EngineDeadError, EngineOverloadedError
+from radixserve.runtime.engine_process import EngineProcess
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import USER, assert_error, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Once upon a time", "hell
 def proc_engine(tiny_model_dir: Path) -> Iterator[EngineProcess]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")  # inherited by the engine process
-        engine = EngineProcess(model=str(tiny_model_dir), device="cpu", max_total_tokens=4096)
+        engine = EngineProcess(model=str(tiny_model_dir), device="cpu", dtype="float32", max_total_tokens=4096)
     yield engine
     engine.shutdown()
 
@@ -149,7 +149,7 @@ def test_the_engine_process_exits_when_its_front_end_dies(tiny_model_dir: Path) 
     script = textwrap.dedent(
         f"""
         import sys, time
-        from runtime.engine_process import EngineProcess
+        from radixserve.runtime.engine_process import EngineProcess
         engine = EngineProcess(model={str(tiny_model_dir)!r}, device="cpu", max_total_tokens=1024)
         print(engine.pid, flush=True)
         time.sleep(600)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
 
 POISON = 77  # a token id whose presence in a step makes the simulated kernel raise
 

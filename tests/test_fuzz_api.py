@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import wait_idle
 
 GENERATION_EXAMPLES = 80  # per mode, for the routes that generate

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
-from constrained.backend import LLGuidanceBackend
+from radixserve.constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
+from radixserve.constrained.backend import LLGuidanceBackend
 from tests.test_constrained import PERSON, encode
 
 
 @pytest.fixture(scope="module")
 def info() -> TokenizerInfo:
-    from runtime.model_source import resolve_model
-    from runtime.weights import load_tokenizer
+    from radixserve.runtime.model_source import resolve_model
+    from radixserve.runtime.weights import load_tokenizer
 
     return TokenizerInfo.from_hf(load_tokenizer(resolve_model("smollm2-135m-instruct")))
 
@@ -108,9 +108,9 @@ def test_close_fails_a_job_the_screening_sends_to_the_slow_lane(info) -> None:
 
 
 EXIT_DURING_COMPILES = """
-from constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
-from runtime.model_source import resolve_model
-from runtime.weights import load_tokenizer
+from radixserve.constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
+from radixserve.runtime.model_source import resolve_model
+from radixserve.runtime.weights import load_tokenizer
 
 info = TokenizerInfo.from_hf(load_tokenizer(resolve_model("smollm2-135m-instruct")))
 compiler = GrammarCompiler(info, timeout_s=0.05)
@@ -139,9 +139,9 @@ def test_process_exits_cleanly_with_abandoned_compiles_running() -> None:
 
 EXIT_WITH_A_QUEUE = """
 import time
-from constrained import ConstraintSpec, GrammarCompiler, TokenizerInfo
-from runtime.model_source import resolve_model
-from runtime.weights import load_tokenizer
+from radixserve.constrained import ConstraintSpec, GrammarCompiler, TokenizerInfo
+from radixserve.runtime.model_source import resolve_model
+from radixserve.runtime.weights import load_tokenizer
 
 class Slow:
     name = "slow"

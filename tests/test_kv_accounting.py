@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.request import FinishReason, Req
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.request import FinishReason, Req
+from radixserve.runtime.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("radix", [True, False])

@@ -14,7 +14,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from lang import (
+from radixserve.lang import (
     Backend,
     BackendError,
     ChatTemplateError,
@@ -26,8 +26,8 @@ from lang import (
     system,
     user,
 )
-from lang.chat_template import derive_markers
-from lang.scoring import choice_spans
+from radixserve.lang.chat_template import derive_markers
+from radixserve.lang.scoring import choice_spans
 
 CHATML = (
     "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
@@ -460,7 +460,7 @@ def _one_shot_server(reply: bytes) -> str:
 def test_runtime_endpoint_failures_are_backend_errors() -> None:
     """Values JSON cannot carry once read as "cannot reach the server"; a stream cut short raised requests' own
     exception instead of a BackendError."""
-    from lang import RuntimeEndpoint
+    from radixserve.lang import RuntimeEndpoint
 
     @function
     def prog(s, **kw: Any) -> None:

@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.engine import Engine
-from runtime.engine_process import EngineProcess
-from server import ServerConfig, create_app
-from server.errors import APIError
-from server.params import budget
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.engine_process import EngineProcess
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.errors import APIError
+from radixserve.server.params import budget
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import USER, wait_idle
 
 READ_TIMEOUT_S = 1.0

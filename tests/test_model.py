@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from runtime.attention import AttentionMetadata, ExtendSeq, ForwardContext, TorchReferenceBackend
-from runtime.kv_pool import KVPool
-from runtime.models import LlamaForCausalLM, ModelArgs
-from runtime.weights import iter_weights, load_hf_config
+from radixserve.runtime.attention import AttentionMetadata, ExtendSeq, ForwardContext, TorchReferenceBackend
+from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.models import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.weights import iter_weights, load_hf_config
 
 
 def _load(folder: Path) -> LlamaForCausalLM:
@@ -85,7 +85,7 @@ DECODE_CASES = [
 @torch.inference_mode()
 def test_shared_prefix_decode_attention_equals_plain(dtype: torch.dtype, cpu_kernels: bool, d: int) -> None:
     """Cascade decode attention (shared prefix once, merged by log-sum-exp) equals attention over full rows."""
-    from runtime.attention import PrefixGroup
+    from radixserve.runtime.attention import PrefixGroup
 
     torch.manual_seed(0)
     n_kv, heads = 2, 6
@@ -168,10 +168,13 @@ def test_merged_projections_load_hf_tensors_into_their_rows(tiny_model_dir: Path
 
 
 def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
-    from runtime.models.linear import Linear
+    from radixserve.runtime.models.linear import Linear
 
     torch.manual_seed(0)
-    layer = Linear(64, 48, bias=True)
+    layer = Linear(64, 48, bias=True)  # uninitialized: our layers always load their weights
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64))
+        layer.bias.copy_(torch.randn(48))
 
     def check(x: torch.Tensor) -> None:
         with torch.inference_mode():
@@ -186,15 +189,37 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
     check(torch.randn(8, 64))
 
 
-def test_fused_rms_norm_gives_the_reference_bits() -> None:
-    """RMSNorm's float32 fast path (F.rms_norm) is bit-identical to the HF formula it replaces."""
-    from runtime.models.llama import RMSNorm
+def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:
+    """The PyTorch reference of RMSNorm (F.rms_norm in float32) is bit-identical to the HF formula; the compiled
+    fused op, and its residual-adding form, agree with it to float32 rounding."""
+    from radixserve.runtime.models import fused
 
     torch.manual_seed(0)
-    norm = RMSNorm(576, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(576))
+    weight, eps = torch.randn(576), 1e-5
+    assert fused._ops() is not None, "the fused CPU ops did not build"
     for rows, scale in ((1, 1.0), (8, 30.0), (300, 0.01)):
         x = torch.randn(rows, 576) * scale
-        want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
-        assert torch.equal(norm(x), want)
+        want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        assert torch.equal(fused.ref_rms_norm(x, weight, eps), want)
+        torch.testing.assert_close(fused.rms_norm(x, weight, eps), want, rtol=2e-6, atol=1e-6)
+        residual, delta = torch.randn(rows, 576), torch.randn(rows, 576)
+        expected_residual = residual + delta
+        out = fused.add_rms_norm(delta, residual, weight, eps)
+        assert torch.equal(residual, expected_residual)  # the residual stream's sum is exact
+        torch.testing.assert_close(out, fused.ref_rms_norm(expected_residual, weight, eps), rtol=2e-6, atol=1e-6)
+
+
+def test_fused_rope_and_silu_mul_agree_with_their_references() -> None:
+    from radixserve.runtime.models import fused
+
+    torch.manual_seed(1)
+    qkv = torch.randn(7, (9 + 3 + 3) * 64)
+    cos, sin = torch.randn(7, 1, 64), torch.randn(7, 1, 64)
+    qk = qkv[:, : 12 * 64].view(7, 12, 64)
+    want = fused.ref_rope(qk.clone(), cos, sin)
+    v_before = qkv[:, 12 * 64 :].clone()
+    fused.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v, beside q and k in the same rows, untouched
+    gate_up = torch.randn(5, 2 * 1536)
+    torch.testing.assert_close(fused.silu_mul(gate_up), fused.ref_silu_mul(gate_up), rtol=1e-5, atol=1e-6)

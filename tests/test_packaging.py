@@ -7,6 +7,7 @@ dependency brings breaks on a clean machine; a floor below what the code uses br
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -51,7 +52,7 @@ def _imports(folders: tuple[str, ...]) -> set[str]:
                     found.update(alias.name.split(".")[0] for alias in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                     found.add(node.module.split(".")[0])
-    local = set(PACKAGES) | {"tests", "bench"}
+    local = set(PACKAGES) | {"radixserve", "tests", "bench", "examples"}
     return {m for m in found if m not in sys.stdlib_module_names and m not in local}
 
 
@@ -87,3 +88,28 @@ def test_the_torch_floor_has_what_the_code_uses() -> None:
     torch_req = next(Requirement(r) for r in _project()["dependencies"] if Requirement(r).name == "torch")
     floors = [Version(s.version) for s in torch_req.specifier if s.operator in (">=", "==", "~=")]
     assert floors and max(floors) >= TORCH_FLOOR, f"torch{torch_req.specifier} allows a torch without enable_gqa"
+
+
+def test_the_package_installs_under_one_namespace(tmp_path: Path) -> None:
+    """``pip install .``: the code imports as ``radixserve.*`` and no top-level ``server``, ``runtime``, ... exists
+    to collide with other packages; ``pip check`` is clean. (A venv over this environment's packages, so that the
+    dependencies need no download; the install itself is a real, non-editable one.)"""
+    venv = tmp_path / "venv"
+    # Without its own pip and setuptools: the environment's (a venv's bundled setuptools may be too old to build).
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", str(ROOT)], check=True, cwd=tmp_path)
+    probe = (
+        "import importlib.util as u, radixserve.server, radixserve.runtime.engine_api\n"
+        "print(radixserve.server.__file__)\n"
+        "print([n for n in ('server', 'runtime', 'radix', 'constrained', 'lang') if u.find_spec(n)])\n"
+    )
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    location, top_level = out.splitlines()
+    assert location.startswith(str(venv)), location  # the installed copy, not this checkout
+    assert top_level == "[]", f"top-level packages installed: {top_level}"
+    check = subprocess.run([*pip, "check"], capture_output=True, text=True, cwd=tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    script = subprocess.run([str(venv / "bin" / "radixserve"), "serve", "--help"], capture_output=True, text=True)
+    assert script.returncode == 0 and "--max-total-tokens" in script.stdout, script.stderr

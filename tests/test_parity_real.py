@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
@@ -37,7 +37,10 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine(model="smollm2-135m-instruct", device="cpu", dtype="float32", max_total_tokens=16384)
+    # The GGUF's exact float32 dequantization, as transformers computes with it (the served default keeps blocks).
+    eng = Engine(
+        model="smollm2-135m-instruct", device="cpu", dtype="float32", quantization="none", max_total_tokens=16384
+    )
     yield eng
     eng.shutdown()
 
@@ -52,20 +55,19 @@ def _prompt_ids(tokenizer) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _hf_greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    from runtime.model_source import resolve_model
-
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct"), dtype=torch.float32)
-    hf.eval()
+def _hf_greedy(hf: object, engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations, eight prompts a call, left-padded under an attention mask."""
     eos = sorted(engine.core.eos_token_ids)
     outs = []
-    for ids in prompts:
+    for start in range(0, len(prompts), 8):
+        group = prompts[start : start + 8]
+        width = max(map(len, group))
+        ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         gen = hf.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+            ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
         )
-        outs.append(gen[0, len(ids) :].tolist())
+        outs += [row[width:].tolist() for row in gen]
     return outs
 
 
@@ -73,10 +75,10 @@ def _strip_eos(ids: list[int], eos: set[int]) -> list[int]:
     return [t for t in ids if t not in eos]
 
 
-def test_greedy_matches_transformers(engine: Engine) -> None:
+def test_greedy_matches_transformers(engine: Engine, hf_smollm2: object) -> None:
     prompts = _prompt_ids(engine.tokenizer)
     assert len(prompts) == 16
-    expected = _hf_greedy(engine, prompts)
+    expected = _hf_greedy(hf_smollm2, engine, prompts)
     eos = engine.core.eos_token_ids
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
     together = engine.generate(input_ids=prompts, sampling_params=params)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.request import Req
-from runtime.sampling_params import SamplingParams
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.request import Req
+from radixserve.runtime.sampling_params import SamplingParams
 
 
 def _requests() -> list[Req]:

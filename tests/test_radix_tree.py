@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radix import MatchResult, RadixTree, TreeNode
+from radixserve.radix import MatchResult, RadixTree, TreeNode
 
 
 def _tree_with(*runs: tuple[list[int], list[int]], page_size: int = 1) -> RadixTree:

@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from constrained import ConstraintSpec
-from runtime.engine import Engine, EngineOverloadedError
-from runtime.request import FinishReason, Req, ReqOutput
-from runtime.sampling_params import SamplingParams
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.constrained import ConstraintSpec
+from radixserve.runtime.engine import Engine, EngineOverloadedError
+from radixserve.runtime.request import FinishReason, Req, ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import assert_error, sse_events, wait_idle
 
 

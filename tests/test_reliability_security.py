@@ -15,11 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.engine import Engine
-from runtime.request import Req
-from server import ServerConfig, create_app
-from server.cli import build_parser
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.request import Req
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.cli import build_parser
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import USER, assert_error, wait_idle
 
 SECRET = "zebra-quartz-7741 my bank PIN"
@@ -41,18 +41,18 @@ def test_binds_loopback_by_default() -> None:
     assert args.host == "127.0.0.1"
 
 
-def test_every_route_but_health_needs_the_key(engine: Engine) -> None:
+def test_every_route_but_health_and_metrics_needs_the_key(engine: Engine) -> None:
     with (
         ServerThread(create_app(engine, ServerConfig(api_key=KEY))) as srv,
         httpx.Client(base_url=srv.url, timeout=30) as http,
     ):
         assert http.get("/health").status_code == 200
+        assert http.get("/metrics").status_code == 200  # as with vLLM: a Prometheus scrape needs no token
         wrong = {"Authorization": "Bearer " + "k" * 31 + "x"}  # same length, one character off
         calls = [
             ("POST", "/flush_cache", None),
             ("POST", "/abort_request", {"abort_all": True}),
             ("GET", "/server_info", None),
-            ("GET", "/metrics", None),
             ("POST", "/generate", {"text": "x"}),
             ("POST", "/tokenize", {"prompt": "x"}),
             ("GET", "/v1/models", None),
@@ -66,6 +66,10 @@ def test_every_route_but_health_needs_the_key(engine: Engine) -> None:
         good = {"Authorization": f"Bearer {KEY}"}
         assert http.post("/flush_cache", headers=good).json()["success"] is True
         assert KEY not in http.get("/server_info", headers=good).text
+    protected = ServerConfig(api_key=KEY, protect_metrics=True)
+    with ServerThread(create_app(engine, protected)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        assert_error(http.get("/metrics"), 401)
+        assert http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_request_content_is_never_code_or_a_path(engine: Engine) -> None:

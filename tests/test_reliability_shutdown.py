@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread, free_port
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread, free_port
 from tests.test_server_tiny import USER, assert_error, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,15 +29,15 @@ STEP_DELAY_S = 0.005  # added to every engine step, so that LONG outlasts the gr
 # ``python -m server.cli`` (runpy is what -m uses) with that delay injected into the model runner.
 SLOW_CLI = f"""
 import runpy, sys, time
-import server  # first, as `python -m server.cli` imports it first
-from runtime.model_runner import ModelRunner
+import radixserve.server  # first, as `python -m server.cli` imports it first
+from radixserve.runtime.model_runner import ModelRunner
 run = ModelRunner.run
 def slow_run(self, plan):
     time.sleep({STEP_DELAY_S})
     return run(self, plan)
 ModelRunner.run = slow_run
-sys.argv = ["server.cli", *sys.argv[1:]]
-runpy.run_module("server.cli", run_name="__main__", alter_sys=True)
+sys.argv = ["radixserve.server.cli", *sys.argv[1:]]
+runpy.run_module("radixserve.server.cli", run_name="__main__", alter_sys=True)
 """
 LONG = {"prompt": "hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
 SHORT = {"prompt": "hello", "max_tokens": 8, "ignore_eos": True}

@@ -27,10 +27,10 @@ import httpx
 import openai
 import pytest
 
-from server.router.config import RouterConfig, RoutingConfig
-from server.router.process import build_http_router
-from server.router.proxy import REPLICA_HEADER
-from server.testing import ServerThread, free_port
+from radixserve.server.router.config import RouterConfig, RoutingConfig
+from radixserve.server.router.process import build_http_router
+from radixserve.server.router.proxy import REPLICA_HEADER
+from radixserve.server.testing import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,16 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     procs = []
     for i in range(2):
         port = free_port()
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixserve.server.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+        ]
         procs.append(ReplicaProc(f"http://127.0.0.1:{port}", port, logs / f"replica{i}.log", args=cmd + REPLICA_FLAGS))
     try:
         for p in procs:

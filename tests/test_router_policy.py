@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.config import from_args
-from server.cli import build_parser
-from server.router.config import RouterConfig, RoutingConfig
-from server.router.policy import CacheAwarePolicy, LeastLoadPolicy, RoundRobinPolicy, make_policy
-from server.router.replicas import ReplicaPool
-from server.router.text import routing_text
-from server.router.tree import PrefixTree, common_prefix_len
+from radixserve.runtime.config import from_args
+from radixserve.server.cli import build_parser
+from radixserve.server.router.config import RouterConfig, RoutingConfig
+from radixserve.server.router.policy import CacheAwarePolicy, LeastLoadPolicy, RoundRobinPolicy, make_policy
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.text import routing_text
+from radixserve.server.router.tree import PrefixTree, common_prefix_len
 
 PREFIXES = [f"system prompt {i}: " + f"rule {i} says be brief and exact. " * 20 for i in range(4)]
 

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from server.router.app import create_router_app
-from server.router.config import RouterConfig, RoutingConfig
-from server.router.policy import make_policy
-from server.router.proxy import REPLICA_HEADER
-from server.router.replicas import ReplicaPool
-from server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
+from radixserve.server.router.app import create_router_app
+from radixserve.server.router.config import RouterConfig, RoutingConfig
+from radixserve.server.router.policy import make_policy
+from radixserve.server.router.proxy import REPLICA_HEADER
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
 
 # --- the proxy over a fake transport -------------------------------------------------------------------------
 

@@ -14,16 +14,16 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from runtime.config import EngineConfig  # noqa: E402
-from server.router.config import RayServeConfig, RoutingConfig  # noqa: E402
-from server.router.proxy import REPLICA_HEADER  # noqa: E402
-from server.testing import free_port  # noqa: E402
+from radixserve.runtime.config import EngineConfig  # noqa: E402
+from radixserve.server.router.config import RayServeConfig, RoutingConfig  # noqa: E402
+from radixserve.server.router.proxy import REPLICA_HEADER  # noqa: E402
+from radixserve.server.testing import free_port  # noqa: E402
 from tests.test_router import ORDER, _messages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_router(tiny_model_dir: Path) -> Iterator[str]:
-    from server.router.ray_serve import deploy
+    from radixserve.server.router.ray_serve import deploy
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-import runtime.sampler as sampler_mod
-from runtime.request import Req
-from runtime.sampler import TOP_WINDOW, NoAllowedTokenError, NonFiniteLogitsError, Sampler, token_logprobs
-from runtime.sampling_params import SamplingParams
+import radixserve.runtime.sampler as sampler_mod
+from radixserve.runtime.request import Req
+from radixserve.runtime.sampler import TOP_WINDOW, NoAllowedTokenError, NonFiniteLogitsError, Sampler, token_logprobs
+from radixserve.runtime.sampling_params import SamplingParams
 
 V = 50
 EOS = 0

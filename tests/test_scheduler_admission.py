@@ -7,12 +7,12 @@ wrong: counting slots already allocated this step a second time, and reserving a
 
 from __future__ import annotations
 
-from runtime.batch import BatchPlan
-from runtime.config import EngineConfig
-from runtime.kv_cache import KVCacheManager
-from runtime.request import Req
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
+from radixserve.runtime.batch import BatchPlan
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.kv_cache import KVCacheManager
+from radixserve.runtime.request import Req
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.runtime.scheduler import Scheduler
 
 
 def _scheduler(num_slots: int, **config) -> Scheduler:

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import wait_idle
 from tests.tiny_model import make_tiny_model
 

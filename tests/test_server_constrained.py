@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 
 pytestmark = pytest.mark.real_model
 

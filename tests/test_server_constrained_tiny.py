@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import MODEL, USER, assert_error
 
 

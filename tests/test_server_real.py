@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from runtime.config import DEFAULT_MODEL
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.config import DEFAULT_MODEL
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 
 pytestmark = pytest.mark.real_model
 

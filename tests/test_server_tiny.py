@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from runtime.config import EngineConfig, from_args
-from runtime.engine import Engine
-from server import ServerConfig, create_app
-from server.cli import build_parser
-from server.testing import ServerThread
+from radixserve.runtime.config import EngineConfig, from_args
+from radixserve.runtime.engine import Engine
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.cli import build_parser
+from radixserve.server.testing import ServerThread
 
 MODEL = "tiny"
 USER = [{"role": "user", "content": "What is the capital of France?"}]

@@ -7,11 +7,11 @@ import json
 import jsonschema
 import pytest
 
-from constrained import GrammarError
-from server.constraints import RequestConstraint, at_most_one, make_constraint, response_format_constraint
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ResponseFormat
-from server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
+from radixserve.constrained import GrammarError
+from radixserve.server.constraints import RequestConstraint, at_most_one, make_constraint, response_format_constraint
+from radixserve.server.errors import APIError
+from radixserve.server.protocol import ChatCompletionRequest, ResponseFormat
+from radixserve.server.tool_calls import ToolCallScanner, forced_tool_constraint, tool_or_answer_constraint
 
 USER = [{"role": "user", "content": "hi"}]
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.tool_parser import ToolCallStream, parse_tool_calls
+from radixserve.server.tool_parser import ToolCallStream, parse_tool_calls
 
 NAMES = {"get_weather", "add"}
 

@@ -30,10 +30,10 @@ import httpx
 import jsonschema
 import pytest
 
-from runtime.engine import Engine
-from runtime.engine_process import EngineProcess
-from server import ServerConfig, create_app
-from server.testing import ServerThread
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.engine_process import EngineProcess
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
 
 NUM_REQUESTS = int(os.environ.get("RADIXSERVE_SOAK_REQUESTS", "600"))
 CONCURRENCY = 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.threads import MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
+from radixserve.runtime.threads import MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
 
 
 def drive(tuner: StepThreads, cost: dict[int, float], steps: int, tokens: int = 8) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
-from constrained.alt_backends import XGrammarBackend
+from radixserve.constrained import ConstraintSpec, GrammarCompiler, GrammarError, TokenizerInfo
+from radixserve.constrained.alt_backends import XGrammarBackend
 
 CALL = {
     "anyOf": [
@@ -44,8 +44,8 @@ TWO_CALLS = ONE_CALL + '\n<tool_call>{"name":"now","arguments":{}}</tool_call>'
 
 @pytest.fixture(scope="module")
 def info() -> TokenizerInfo:
-    from runtime.model_source import resolve_model
-    from runtime.weights import load_tokenizer
+    from radixserve.runtime.model_source import resolve_model
+    from radixserve.runtime.weights import load_tokenizer
 
     return TokenizerInfo.from_hf(load_tokenizer(resolve_model("smollm2-135m-instruct")))
 

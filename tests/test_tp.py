@@ -12,11 +12,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from constrained import ConstraintSpec
-from runtime.engine import Engine
-from runtime.sampling_params import SamplingParams
-from server import ServerConfig, create_app
-from server.testing import ServerThread, free_port
+from radixserve.constrained import ConstraintSpec
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = "You are a careful assistant. Answer briefly and precisely, and show your reasoning step by step. " * 6
@@ -102,7 +102,17 @@ def test_two_nodes_on_loopback(tiny_model_dir: Path, reference: list[dict]) -> N
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--device", "cpu", "--max-total-tokens", "4096"]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_model_dir), "--node-rank", "1", *flags],
+        [
+            sys.executable,
+            "-m",
+            "radixserve.server.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--node-rank",
+            "1",
+            *flags,
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -144,7 +154,8 @@ def test_tp_that_does_not_divide_the_heads_is_refused(tiny_model_dir: Path) -> N
 
 
 def _serve_and_chat(model: str, tp: int) -> list[str | None]:
-    engine = make_engine(model, tp)
+    # Under tensor parallelism a GGUF's blocks are dequantized at load: the one-rank run must compute the same.
+    engine = make_engine(model, tp, quantization="none")
     try:
         with ServerThread(create_app(engine, ServerConfig(), model="tiny")) as srv:
             return _chat(srv.url)

@@ -221,11 +221,12 @@ def _gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:])]}"
 
 
-def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama") -> Path:
-    """Write the llama model in HF ``folder`` (from ``make_tiny_model``) as an F32 GGUF at ``gguf_path``.
+def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", qtype: str = "F32") -> Path:
+    """Write the llama model in HF ``folder`` (from ``make_tiny_model``) as a GGUF at ``gguf_path``.
 
     Carries the architecture hyper-parameters, every tensor (q/k rows reordered to llama.cpp's layout) and
-    the tokenizer (byte-level "gpt2" vocab, merges, special ids, chat template). Returns ``gguf_path``.
+    the tokenizer (byte-level "gpt2" vocab, merges, special ids, chat template). With ``qtype`` (``Q8_0``,
+    ``Q4_0``, ``Q4_1``, ...) the 2-D weights are quantized by gguf-py; norms stay F32. Returns ``gguf_path``.
     """
     import gguf
 
@@ -261,7 +262,7 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama") 
     writer.add_rope_freq_base(float(theta))
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType[f"MOSTLY_{qtype}"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -283,7 +284,12 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama") 
                     arr = _llama_cpp_qk_layout(arr, n_head)
                 elif hf_name.endswith("k_proj.weight"):
                     arr = _llama_cpp_qk_layout(arr, n_kv)
-                writer.add_tensor(_gguf_tensor_name(hf_name), np.ascontiguousarray(arr))
+                arr = np.ascontiguousarray(arr)
+                if qtype != "F32" and arr.ndim == 2:
+                    kind = gguf.GGMLQuantizationType[qtype]
+                    writer.add_tensor(_gguf_tensor_name(hf_name), gguf.quants.quantize(arr, kind), raw_dtype=kind)
+                else:
+                    writer.add_tensor(_gguf_tensor_name(hf_name), arr)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

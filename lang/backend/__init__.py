@@ -5,15 +5,15 @@
 
 from typing import Any
 
-from lang.backend.base import Backend, GenOutput
-from lang.backend.runtime_endpoint import RuntimeEndpoint
+from radixserve.lang.backend.base import Backend, GenOutput
+from radixserve.lang.backend.runtime_endpoint import RuntimeEndpoint
 
 __all__ = ["Backend", "EngineBackend", "GenOutput", "RuntimeEndpoint"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "EngineBackend":
-        from lang.backend.engine_backend import EngineBackend
+        from radixserve.lang.backend.engine_backend import EngineBackend
 
         return EngineBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lang.chat_template import RoleMarkers, derive_markers
+from radixserve.lang.chat_template import RoleMarkers, derive_markers
 
 
 @dataclass

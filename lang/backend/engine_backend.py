@@ -11,20 +11,20 @@ import queue
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from constrained import GrammarError
-from lang.backend.base import Backend, GenOutput
-from lang.errors import BackendError
-from runtime.request import FinishReason, ReqOutput
-from runtime.sampling_params import SamplingParams
-from server.constraints import native_constraint
-from server.engine_client import Result
-from server.errors import APIError, from_engine_error
-from server.logprobs import native_logprobs, prompt_entries
-from server.params import native_params
-from server.tokens import TokenNames, encode
+from radixserve.constrained import GrammarError
+from radixserve.lang.backend.base import Backend, GenOutput
+from radixserve.lang.errors import BackendError
+from radixserve.runtime.request import FinishReason, ReqOutput
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.constraints import native_constraint
+from radixserve.server.engine_client import Result
+from radixserve.server.errors import APIError, from_engine_error
+from radixserve.server.logprobs import native_logprobs, prompt_entries
+from radixserve.server.params import native_params
+from radixserve.server.tokens import TokenNames, encode
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine
+    from radixserve.runtime.engine import Engine
 
 
 class EngineBackend(Backend):

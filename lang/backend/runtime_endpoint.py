@@ -13,8 +13,8 @@ from typing import Any
 
 import requests
 
-from lang.backend.base import Backend, GenOutput
-from lang.errors import BackendError
+from radixserve.lang.backend.base import Backend, GenOutput
+from radixserve.lang.errors import BackendError
 
 DEFAULT_TIMEOUT_S = 600.0
 

@@ -1,7 +1,13 @@
 """Attention backends behind one small interface; ``TorchReferenceBackend`` is the portable reference."""
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata, ExtendSeq, ForwardContext, PrefixGroup
-from runtime.attention.torch_ref import TorchReferenceBackend
+from radixserve.runtime.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ExtendSeq,
+    ForwardContext,
+    PrefixGroup,
+)
+from radixserve.runtime.attention.torch_ref import TorchReferenceBackend
 
 __all__ = [
     "AttentionBackend",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from runtime.kv_pool import KVPool
+from radixserve.runtime.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.base import AttentionBackend, AttentionMetadata, PrefixGroup
-from runtime.attention.cpu_kernels import DecodeAttention, decode_attention_op
-from runtime.kv_pool import KVPool
+from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, PrefixGroup
+from radixserve.runtime.attention.cpu_kernels import DecodeAttention, decode_attention_op
+from radixserve.runtime.kv_pool import KVPool
 
 # Gather workspaces up to this size are kept between layers and steps (a fresh multi-MB tensor per layer costs
 # page faults on every use); larger ones, rare, are allocated per call.

@@ -1,7 +1,7 @@
 """Tensor parallelism on ``torch.distributed`` (gloo on CPU, NCCL on CUDA); see ``tensor_parallel.py``."""
 
-from runtime.distributed.shard import check_shardable, shard_model
-from runtime.distributed.tensor_parallel import (
+from radixserve.runtime.distributed.shard import check_shardable, shard_model
+from radixserve.runtime.distributed.tensor_parallel import (
     TensorParallelModel,
     WorkerDiedError,
     finish_start,

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.linear import Linear, prepack
-from runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs
+from radixserve.runtime.models.linear import Linear, prepack
+from radixserve.runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:

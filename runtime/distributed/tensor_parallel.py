@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.attention import TorchReferenceBackend, cpu_kernels
-from runtime.attention.base import ForwardContext
-from runtime.config import EngineConfig
-from runtime.distributed.group import (
+from radixserve.runtime.attention import TorchReferenceBackend, cpu_kernels
+from radixserve.runtime.attention.base import ForwardContext
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.distributed.group import (
     Groups,
     RankLayout,
     broadcast_command,
@@ -38,12 +38,12 @@ from runtime.distributed.group import (
     threads_per_rank,
     to_device,
 )
-from runtime.distributed.shard import check_shardable, shard_model
-from runtime.kv_pool import KVPool
-from runtime.loader import LoadedModel, load_model, resolve_device
-from runtime.model_source import resolve_model
-from runtime.models.llama import LlamaForCausalLM, ModelArgs
-from runtime.weights import load_hf_config
+from radixserve.runtime.distributed.shard import check_shardable, shard_model
+from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.loader import LoadedModel, load_model, resolve_device
+from radixserve.runtime.model_source import model_folder
+from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.weights import load_hf_config
 
 logger = logging.getLogger("radixserve.tp")
 
@@ -131,7 +131,7 @@ class TensorParallelModel:
 def start_leader(config: EngineConfig) -> tuple[LoadedModel, Groups, list[Any], int]:
     """Rank 0: spawn this node's workers, join the group, load and shard the model. The caller sizes the KV pool
     and calls ``finish_start``."""
-    check_shardable(ModelArgs.from_hf_config(load_hf_config(resolve_model(config.model))), config.tp)
+    check_shardable(ModelArgs.from_hf_config(load_hf_config(model_folder(config))), config.tp)
     init_addr = config.dist_init_addr or _free_addr()
     layout = RankLayout(rank=0, world=config.tp, nnodes=config.nnodes)
     device = device_for(resolve_device(config.device), 0)

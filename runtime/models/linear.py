@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import envs
+from radixserve.runtime import envs
+from radixserve.runtime.models import quant
+from radixserve.runtime.models.quant import QuantTensor
 
 logger = logging.getLogger("radixserve.model")
 
@@ -51,8 +53,28 @@ def onednn_usable() -> bool:
     return ok
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that runs on a oneDNN-packed copy of its weight where that is faster (see the module doc)."""
+class _Quantizable:
+    """A weight that may be kept in GGUF blocks (``set_quantized``) instead of as a float parameter."""
+
+    qtype: str | None = None
+    qshape: tuple[int, int] | None = None
+
+    def set_quantized(self, w: QuantTensor) -> None:
+        """Keep the weight as ``w``'s blocks; the float parameter goes (it is never materialized)."""
+        self.register_parameter("weight", None)  # type: ignore[attr-defined]
+        self.register_buffer("qdata", w.data, persistent=False)  # type: ignore[attr-defined]
+        self.qtype, self.qshape = w.qtype, w.shape
+
+    @property
+    def quant(self) -> QuantTensor | None:
+        if self.qtype is None:
+            return None
+        return QuantTensor(self.qtype, self.qdata, self.qshape)  # type: ignore[attr-defined,arg-type]
+
+
+class Linear(_Quantizable, nn.Linear):
+    """``nn.Linear`` that runs on a oneDNN-packed copy of its weight where that is faster (see the module doc), or
+    on the weight's GGUF blocks (``runtime.models.quant``) when it is kept quantized."""
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
@@ -64,6 +86,8 @@ class Linear(nn.Linear):
 
     def _eligible(self) -> bool:
         w = self.weight
+        if w is None:  # quantized
+            return False
         return w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_grad_enabled() and onednn_usable()
 
     def pack(self) -> torch.Tensor | None:
@@ -84,17 +108,25 @@ class Linear(nn.Linear):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         packed = self.pack() if self._eligible() else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` without random initialization, for the same reason as ``Linear``."""
+class Embedding(_Quantizable, nn.Embedding):
+    """``nn.Embedding`` without random initialization, for the same reason as ``Linear``; its weight may be kept in
+    GGUF blocks, of which a lookup unpacks only the rows it reads."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return quant.embedding(ids, self.quant)  # type: ignore[arg-type]
+        return super().forward(ids)
 
 
 def prepack(model: nn.Module) -> None:
@@ -102,5 +134,5 @@ def prepack(model: nn.Module) -> None:
     pay for it and the memory is taken before the KV pool is sized."""
     with torch.inference_mode():
         for module in model.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.qtype is None:
                 module.pack()

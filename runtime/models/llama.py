@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from runtime.attention.base import ForwardContext
-from runtime.models.linear import Embedding, Linear
-from runtime.models.rope import RotaryEmbedding, apply_rope
+from radixserve.runtime.attention.base import ForwardContext
+from radixserve.runtime.models import fused, loading
+from radixserve.runtime.models.linear import Embedding, Linear
+from radixserve.runtime.models.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused kernel instead of five ops; in float32 it gives the same bits as the formula below.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalize in float32 as the reference implementation does; matters for bf16 parity.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` in place, then the norm of the new residual (one pass where the fused op runs)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class MergedLinear(Linear):
@@ -131,8 +128,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        # q and k sit side by side in the fused output: RoPE rotates both in one go.
-        qk = apply_rope(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), *rope)
+        # q and k sit side by side in the fused output: RoPE rotates both in one go, in place.
+        qk = fused.rope_(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), *rope)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v)
         return self.o_proj(o.reshape(t, h * d))
@@ -146,8 +143,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -158,9 +154,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """``x`` is the previous layer's MLP output, still to be added to ``residual`` (the residual stream, updated
+        in place; the same sums, in the same order, as ``x = x + attn(...)``); ``None`` for the first layer, whose
+        residual is the embeddings. Returns this layer's MLP output."""
+        norm = self.input_layernorm
+        h = norm(residual) if x is None else norm.add_forward(x, residual)
+        h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, ctx), residual)
+        return self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -193,41 +200,37 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the output projection when the checkpoint ties them (again after moving the
-        model: ``to_empty`` gives each module's reference its own storage)."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """Share the embedding with the output projection when the checkpoint ties them (again once the embedding
+        is loaded: loading gives it a parameter, or blocks, of its own)."""
+        if not self.args.tie_word_embeddings:
+            return
+        embed = self.model.embed_tokens
+        quantized = embed.quant
+        if quantized is not None:
+            self.lm_head.set_quantized(quantized)
+        else:
+            self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        residual = self.model.embed_tokens(input_ids)
         rope = self.model.rope(positions)  # looked up once for all layers
+        x = None
         for layer in self.model.layers:
-            x = layer(x, rope, ctx)
-        return self.model.norm(x)
+            x = layer(x, residual, rope, ctx)
+        return self.model.norm.add_forward(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters (q/k/v and gate/up into their rows of the merged ones);
-        raises ``ValueError`` naming any missing or unknown tensor."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]], device: torch.device | None = None) -> None:
+        """Put HF-named tensors (or ``QuantTensor`` blocks) into the parameters, q/k/v and gate/up into their
+        merged projections (``runtime.models.loading``); raises ``ValueError`` naming any missing or unknown
+        tensor. On a model built on the meta device each parameter is created here, on ``device``."""
         params = dict(self.named_parameters())
         merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue
-            target, rows = _merged_target(name, merged)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {self.args.architecture}")
-            param = params[target] if rows is None else params[target][rows]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            seen.add(name)
+        skip = {"lm_head.weight"} if self.args.tie_word_embeddings else set()
+        seen = loading.load_weights(self, weights, merged, _merged_target, device=device, skip=skip)
+        self.tie_weights()
         expected: set[str] = set()
         for name in params:
             owner, _, leaf = name.rpartition(".")

@@ -45,11 +45,11 @@ class RotaryEmbedding(torch.nn.Module):
         if self.cos.device.type != "meta":  # on meta (ops there run as slow Python decompositions) wait for storage
             self.reset_tables(dtype)
 
-    def reset_tables(self, dtype: torch.dtype) -> None:
-        """(Re)compute the tables on the device the module is on (a model built on the meta device calls this once
-        it is materialized: the tables are not in the checkpoint)."""
+    def reset_tables(self, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        """(Re)compute the tables, on ``device`` (default: where they are). A model built on the meta device calls
+        this with its real device: the tables are not in the checkpoint."""
         head_dim, max_positions, theta, scaling = self._spec
-        device = self.cos.device
+        device = device if device is not None else self.cos.device
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":

@@ -11,6 +11,8 @@ Routes:
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
   * POST /abort_request: sent to every healthy replica; 200 naming those that ran the rid, else 404;
   * GET / HEAD /health: 200 while at least one replica is healthy, else 503 (no API key needed);
+  * GET /metrics: Prometheus metrics of routing decisions, replica health and in-flight requests (no API key
+    needed unless --protect-metrics);
   * GET /router_info: per replica health, load, tree size and counters, and the policy's routing statistics.
 A background task checks every replica's health every ``--health-check-interval`` seconds: a failed check takes
 a replica out of rotation (and clears its tree), a passed one brings it back.
@@ -27,15 +29,17 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.config import ServerConfig
-from server.deps import require_api_key
-from server.errors import install_error_handlers
-from server.limits import RequestLimits
-from server.router.config import RoutingConfig
-from server.router.proxy import ClientGone, Forwarder, error_response
-from server.router.replicas import ReplicaPool
-from server.router.transport import Transport
+from radixserve.server.config import ServerConfig
+from radixserve.server.deps import require_api_key, require_metrics_key
+from radixserve.server.errors import install_error_handlers
+from radixserve.server.limits import RequestLimits
+from radixserve.server.router.config import RoutingConfig
+from radixserve.server.router.metrics import render, router_registry
+from radixserve.server.router.proxy import ClientGone, Forwarder, error_response
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.transport import Transport
 
 logger = logging.getLogger("radixserve.router")
 
@@ -57,6 +61,7 @@ class RouterState:
         self.listen_url: Any = None
         self.exit_requested: Any = None
         self.health_checks = 0
+        self.registry = router_registry(pool)
 
     async def check_replicas(self) -> None:
         """One round of health checks (and load refreshes), all replicas concurrently."""
@@ -180,6 +185,15 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def router_info(request: Request) -> dict[str, Any]:
         state = _state(request)
         return {**state.pool.info(), "health_checks": state.health_checks}
+
+    @open_routes.get(
+        "/metrics",
+        summary="Prometheus metrics of the router (open unless --protect-metrics)",
+        response_class=Response,
+        dependencies=[Depends(require_metrics_key)],
+    )
+    async def metrics(request: Request) -> Response:
+        return Response(render(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
 
     @open_routes.api_route("/health", methods=["GET", "HEAD"], summary="200 while at least one replica is healthy")
     async def health(request: Request) -> JSONResponse:

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message
 
-from server.errors import error_body
+from radixserve.server.errors import error_body
 
 _END = {"type": "bridge.end"}
 APP_EXIT_WAIT_S = 5.0

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from runtime import envs
-from runtime.config import add_arguments
-from server.config import LOG_LEVELS, ServerConfig
-from server.router.policy import POLICIES, Policy, make_policy
+from radixserve.runtime import envs
+from radixserve.runtime.config import add_arguments
+from radixserve.server.config import LOG_LEVELS, ServerConfig
+from radixserve.server.router.policy import POLICIES, Policy, make_policy
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, secret: bool = False, **extra: Any) -> Any:
@@ -80,8 +80,10 @@ class RouterConfig:
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 to accept connections from other machines).")
     port: int = _opt(30080, "TCP port to listen on.")
     api_key: str = _opt(
-        "", "If set, every route but /health needs 'Authorization: Bearer <key>'; it is forwarded.", secret=True
+        "", "If set, every route but /health and /metrics needs 'Authorization: Bearer <key>'; it is forwarded.",
+        secret=True,
     )
+    protect_metrics: bool = _opt(False, "With --api-key, /metrics needs the key too.")
     worker_api_key: str = _opt(
         "", "Key the router sends on its own calls to replicas (/server_info, /flush_cache); default --api-key.",
         secret=True,
@@ -111,6 +113,7 @@ class RouterConfig:
             host=self.host,
             port=self.port,
             api_key=self.api_key,
+            protect_metrics=self.protect_metrics,
             log_level=self.log_level,
             shutdown_grace_period=self.shutdown_grace_period,
         )

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.router.tree import PrefixTree
+from radixserve.server.router.tree import PrefixTree
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 PRUNE_TO = 0.9  # a tree over its budget is pruned to this share of it

@@ -10,10 +10,10 @@ import signal
 
 from fastapi import FastAPI
 
-from server.router.app import create_router_app
-from server.router.config import RouterConfig, RoutingConfig
-from server.router.replicas import ReplicaPool
-from server.router.transport import HttpTransport
+from radixserve.server.router.app import create_router_app
+from radixserve.server.router.config import RouterConfig, RoutingConfig
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.transport import HttpTransport
 
 logger = logging.getLogger("radixserve.router")
 
@@ -29,8 +29,8 @@ def run_router(config: RouterConfig, routing: RoutingConfig) -> int:
     """Serve the router until SIGTERM or Ctrl+C (uvicorn's graceful shutdown lets streams in flight finish)."""
     import uvicorn
 
-    from server.app import attach_server
-    from server.lifecycle import uvicorn_options
+    from radixserve.server.app import attach_server
+    from radixserve.server.lifecycle import uvicorn_options
 
     server_config = config.server_config()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and health check

@@ -26,10 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.errors import error_body
-from server.router.replicas import ReplicaPool
-from server.router.text import routing_text
-from server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
+from radixserve.server.errors import error_body
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.text import routing_text
+from radixserve.server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
 
 logger = logging.getLogger("radixserve.router")
 

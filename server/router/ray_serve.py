@@ -4,7 +4,7 @@
 
 or from Python::
 
-    from server.router.ray_serve import build_app
+    from radixserve.server.router.ray_serve import build_app
     serve.run(build_app(EngineConfig(model=...), RoutingConfig(), RayServeConfig(replicas=2)), route_prefix="/")
 
 Layout (``build_app``):
@@ -37,13 +37,13 @@ import ray
 from ray import serve
 from ray.exceptions import RayActorError
 
-from runtime.config import EngineConfig
-from server.config import ServerConfig
-from server.router.app import create_router_app
-from server.router.asgi_bridge import call_asgi
-from server.router.config import RayServeConfig, RoutingConfig
-from server.router.replicas import ReplicaPool
-from server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
+from radixserve.runtime.config import EngineConfig
+from radixserve.server.config import ServerConfig
+from radixserve.server.router.app import create_router_app
+from radixserve.server.router.asgi_bridge import call_asgi
+from radixserve.server.router.config import RayServeConfig, RoutingConfig
+from radixserve.server.router.replicas import ReplicaPool
+from radixserve.server.router.transport import Headers, ReplicaBroken, ReplicaUnavailable, Transport, Upstream
 
 logger = logging.getLogger("radixserve.router")
 
@@ -57,8 +57,8 @@ class EngineReplica:
     """One engine and the radixserve app over it; requests come from the router through ``request``."""
 
     def __init__(self, engine_config: dict[str, Any]) -> None:
-        from runtime.engine import Engine
-        from server.app import create_app
+        from radixserve.runtime.engine import Engine
+        from radixserve.server.app import create_app
 
         self.engine = Engine(EngineConfig(**engine_config))
         self.app = create_app(self.engine, ServerConfig())

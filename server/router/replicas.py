@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from server.router.policy import Decision, Policy
+from radixserve.server.router.policy import Decision, Policy
 
 logger = logging.getLogger("radixserve.router")
 

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+namespace radixserve_decode_attention {
 namespace {
 
 #ifdef __AVX512F__
@@ -237,8 +238,11 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
   return {out, lse};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+}  // namespace radixserve_decode_attention
+
+void register_decode_attention(pybind11::module_& parent) {
+  auto m = parent.def_submodule("decode_attention");
   // Released like torch's own ops release it, so Python threads (the server's event loop) run meanwhile.
-  m.def("decode_attention", &decode_attention, "decode attention over pool slots (float32, CPU)",
+  m.def("decode_attention", &radixserve_decode_attention::decode_attention, "decode attention over pool slots (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,94 @@
+"""Building the small C++ CPU kernels (``csrc/*.cpp`` next to their Python wrappers) once per machine.
+
+The sources are compiled together, with the C++ compiler that torch's extension builder finds, for this CPU
+(``-march=native``), into ``<cache dir>/kernels/<key>``, where the key hashes the sources, the flags, torch, Python
+and the CPU; the first start on a machine pays the build (about a minute), later ones load it. A machine without a
+compiler or a failed build gives ``None`` (every caller keeps its PyTorch path, logged once), and
+``RADIXSERVE_CPU_KERNELS=0`` turns the kernels off. Callers self-check what they use against their PyTorch
+reference before using it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from radixserve.runtime import envs
+from radixserve.runtime.model_source import file_lock
+
+logger = logging.getLogger("radixserve.kernels")
+
+# -fopenmp: at::parallel_for is inline OpenMP in torch's headers; without it the kernel runs on one thread.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    # x86 names its features in "flags"; aarch64 in "Features", with the core in "CPU implementer" / "CPU part".
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part", "CPU architecture")
+    lines = [ln for ln in text.splitlines() if ln.startswith(keys)]
+    return "\n".join(sorted(set(lines)))
+
+
+RUNTIME = Path(__file__).resolve().parent
+# Every kernel source; ``csrc/module.cpp`` includes the others and registers each file's functions as a submodule,
+# so they compile as one translation unit (torch's headers, most of the build time, parsed once).
+SOURCES = (
+    RUNTIME / "csrc" / "module.cpp",
+    RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
+    RUNTIME / "models" / "csrc" / "quant_linear.cpp",
+    RUNTIME / "models" / "csrc" / "fused_ops.cpp",
+)
+
+
+def build_key(source: str) -> str:
+    parts = (source, " ".join(CFLAGS), torch.__version__, sys.version, platform.machine(), cpu_signature())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def sources_key() -> str:
+    """The build folder's name for the current sources on this machine."""
+    return build_key("\0".join(f"{p.name}\0{p.read_text()}" for p in SOURCES))
+
+
+@functools.cache
+def load_kernels() -> ModuleType | None:
+    """The compiled kernels (built now if this machine has none yet), or ``None`` where they are off or cannot
+    be built. Callers check what they use against their PyTorch definitions before using it."""
+    if not envs.cpu_kernels():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        key = sources_key()
+        build_dir = envs.cache_dir() / "kernels" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob("*.so")):
+            logger.info("compiling the CPU kernels (once per machine, about a minute) into %s", build_dir)
+        # torch's builder guards the folder with a ``lock`` file that a process killed mid-build leaves behind, and
+        # every later build would wait for it forever. Under our own lock (released by the kernel if its holder
+        # dies) no one else is building, so such a file is stale.
+        with file_lock(build_dir.parent / f"{key}.lock", "the CPU kernels"):
+            (build_dir / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                name=f"radixserve_kernels_{key}",
+                sources=[str(SOURCES[0])],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+    except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: PyTorch path
+        logger.warning("CPU kernels unavailable (%s: %s); using PyTorch ops", type(exc).__name__, exc)
+        return None

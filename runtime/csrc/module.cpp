@@ -1,0 +1,14 @@
+// The one Python module of radixserve's CPU kernels: each kernel file registers its functions as a submodule.
+// The files are compiled as one translation unit (included here): torch's headers, most of the build time, are
+// parsed once, and a machine's first start pays one build of about a minute.
+#include <torch/extension.h>
+
+#include "../attention/csrc/decode_attention.cpp"
+#include "../models/csrc/fused_ops.cpp"
+#include "../models/csrc/quant_linear.cpp"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decode_attention(m);
+  register_quant_linear(m);
+  register_fused_ops(m);
+}

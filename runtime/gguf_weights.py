@@ -1,0 +1,121 @@
+"""The weights of a GGUF file under their HF names, blocks kept as they are.
+
+``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
+a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
+blocks the engine computes with directly. Other block types (the K-quants of Q4_K_M and friends, IQ types) are
+dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and still a
+quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores llama.cpp's). Every tensor is
+copied out of the memory-mapped file, so the mapping can be dropped once loading is done and only the engine's
+copy stays resident.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from radixserve.runtime.models.quant import QTYPES, QuantTensor, quantize_q8_0
+
+logger = logging.getLogger("radixserve.model")
+
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor of the llama family, or None for tensors the engine has no use for
+    (e.g. ``rope_freqs``, which the config's rope scaling already describes)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of q or k from llama.cpp's interleaved rotary pairs back to HF's rotate-half halves (whole rows move,
+    so the blocks of a quantized weight move with them)."""
+    n = rows.shape[0]
+    head_dim = n // n_head
+    return rows.reshape(n_head, head_dim // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def iter_gguf_weights(
+    path: Path, config: Any, *, keep_quantized: bool = True, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """Yield the file's tensors as ``(hf_name, tensor)``; with ``keep_quantized=False`` every weight comes out as
+    float32 (the exact dequantization, for parity checks and for layers that cannot use the block kernels)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    requantized = 0
+    with tqdm(total=len(reader.tensors), desc="Loading weights", unit="tensor", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            bar.update(1)
+            if name is None:
+                continue
+            qtype = GGMLQuantizationType(t.tensor_type).name
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+            if qtype in _FLOAT_TYPES:
+                value: torch.Tensor | QuantTensor = _float_tensor(t.data, qtype).reshape(shape)
+            elif len(shape) == 2 and keep_quantized and qtype in QTYPES:
+                data = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)  # a copy: the map is dropped
+                value = QuantTensor(qtype, data, shape)  # type: ignore[arg-type]
+            else:
+                dense = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
+                if len(shape) == 2 and keep_quantized and shape[1] % 32 == 0:
+                    value, requantized = quantize_q8_0(dense), requantized + 1
+                else:
+                    value = dense
+            if t.name.startswith("blk.") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = n_head if "attn_q" in t.name else n_kv
+                value = value.rows(_order(shape[0], heads)) if isinstance(value, QuantTensor) else _unpermute(
+                    value, heads
+                )
+            yield name, value
+    if requantized:
+        logger.info("re-quantized %d GGUF tensors of other block types to Q8_0 (docs/quantization.md)", requantized)
+    del reader  # drops the memory map: only the copies stay resident
+
+
+def _order(n: int, n_head: int) -> torch.Tensor:
+    """Row order that ``_unpermute`` applies, as an index (for quantized rows)."""
+    return _unpermute(torch.arange(n), n_head)
+
+
+def _float_tensor(data: np.ndarray, qtype: str) -> torch.Tensor:
+    """A copy of a float tensor out of the map (the map is dropped after loading)."""
+    if qtype == "BF16":  # numpy has no bfloat16: the raw 16-bit words, reinterpreted
+        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(data))

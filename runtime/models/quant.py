@@ -1,0 +1,199 @@
+"""Block-quantized weights kept quantized: GGUF's Q8_0, Q4_0 and Q4_1, and the linear layers over them.
+
+A ``QuantTensor`` is a ``[N, K]`` weight as N rows (output channels) of ``K / 32`` blocks of 32 weights, in ggml's
+byte layout (``csrc/quant_linear.cpp`` documents it). Rows are independent, so slicing rows (tensor parallelism,
+merged projections) and permuting them (the q/k layout of llama.cpp) work on the bytes as they are.
+
+``linear(x, w)``: the compiled kernel reads the blocks as they are, 4-6x fewer bytes than a float32 weight, and
+multiplies them with x rounded to int8 per block (``reference_linear`` defines the arithmetic, llama.cpp's), for any
+number of rows, so that a row's result does not depend on its batch. Without the kernel (no compiler, not a CPU)
+the weight is unpacked to float and multiplied exactly. ``reference_dequantize`` and ``reference_linear`` are the
+pure-PyTorch definitions the kernels are checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.runtime.cpu_ext import load_kernels
+
+logger = logging.getLogger("radixserve.kernels")
+
+BLOCK = 32
+# ggml's type ids (what the kernel takes) and bytes per block of 32 weights.
+QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, K // 32 * BLOCK_BYTES[qtype]]``."""
+
+    qtype: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.qtype not in QTYPES:
+            raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
+        if k % BLOCK or tuple(self.data.shape) != (n, k // BLOCK * BLOCK_BYTES[self.qtype]):
+            raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def rows(self, index: slice | torch.Tensor) -> QuantTensor:
+        data = self.data[index]
+        return QuantTensor(self.qtype, data, (data.shape[0], self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        op = quant_ops()
+        if op is not None and self.data.device.type == "cpu":
+            return op.dequantize(self.data, QTYPES[self.qtype], self.shape[1])
+        return reference_dequantize(self)
+
+
+def reference_dequantize(w: QuantTensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix the blocks encode, in plain PyTorch (the definition)."""
+    n, k = w.shape
+    blocks = w.data.reshape(n, k // BLOCK, BLOCK_BYTES[w.qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    if w.qtype == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, k)
+    offset = 4 if w.qtype == "Q4_1" else 2
+    qs = blocks[..., offset:].to(torch.int16)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, nb, 32]: low nibbles are weights 0..15
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float() if w.qtype == "Q4_1" else -8.0 * d
+    return (d * q + m).reshape(n, k)
+
+
+def reference_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """What the block kernel computes for float32 ``x`` [M, K] (the definition it is checked against): each row of
+    x rounded to int8 per block of 32 (scale max|x| / 127), integer dot products with the weight's levels, scaled by
+    both blocks' scales; Q4_1's offset times the exact float sum of the x block."""
+    m, k = x.shape
+    n, nb = w.shape[0], k // BLOCK
+    xb = x.float().reshape(m, nb, BLOCK)
+    dx = xb.abs().amax(-1, keepdim=True) / 127.0
+    qx = torch.where(dx > 0, xb / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(xb)).round()
+    blocks = w.data.reshape(n, nb, BLOCK_BYTES[w.qtype])
+    dw = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [n, nb]
+    if w.qtype == "Q8_0":
+        levels = blocks[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qs = blocks[..., 4 if w.qtype == "Q4_1" else 2 :].to(torch.int16)
+        levels = torch.cat([qs & 15, qs >> 4], dim=-1).double() - (0 if w.qtype == "Q4_1" else 8)
+    dots = torch.einsum("mbj,nbj->mnb", qx.double(), levels)  # exact integers
+    y = (dots * (dw[None] * dx.squeeze(-1)[:, None]).double()).sum(-1)
+    if w.qtype == "Q4_1":
+        mw = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        y = y + (xb.sum(-1).double()[:, None, :] * mw[None].double()).sum(-1)
+    return y.float()
+
+
+def quantize_q8_0(w: torch.Tensor) -> QuantTensor:
+    """``w`` [N, K] (K a multiple of 32) as Q8_0: one fp16 scale per block of 32, the max magnitude over 127."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q8_0 needs the input size to be a multiple of {BLOCK}, got {k}")
+    blocks = w.float().reshape(n, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(scale > 0, blocks / scale.clamp(min=1e-30), torch.zeros_like(blocks)).round().clamp(-127, 127)
+    d = scale.to(torch.float16).view(torch.uint8).reshape(n, k // BLOCK, 2)
+    data = torch.cat([d, q.to(torch.int8).view(torch.uint8)], dim=-1).reshape(n, -1)
+    return QuantTensor("Q8_0", data.contiguous(), (n, k))
+
+
+def quantize_q4_1(w: torch.Tensor) -> QuantTensor:
+    """``w`` [N, K] as Q4_1: per block of 32, the minimum and a step of (max - min) / 15, as fp16."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"Q4_1 needs the input size to be a multiple of {BLOCK}, got {k}")
+    blocks = w.float().reshape(n, k // BLOCK, BLOCK)
+    lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+    d16, m16 = ((hi - lo) / 15).to(torch.float16), lo.to(torch.float16)
+    d = d16.float()  # quantize against the scale as it is stored, so that d * q + m rounds to the nearest level
+    q = torch.where(d > 0, (blocks - m16.float()) / d.clamp(min=1e-30), torch.zeros_like(blocks))
+    q = q.round().clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    header = torch.cat([d16.view(torch.uint8).reshape(n, -1, 2), m16.view(torch.uint8).reshape(n, -1, 2)], dim=-1)
+    return QuantTensor("Q4_1", torch.cat([header, packed], dim=-1).reshape(n, -1).contiguous(), (n, k))
+
+
+QUANTIZERS = {"Q8_0": quantize_q8_0, "Q4_1": quantize_q4_1}
+
+
+@functools.cache
+def quant_ops():  # noqa: ANN201 - the compiled module, or None
+    """The compiled block kernels, checked against ``reference_dequantize`` and a float32 matmul; or ``None``."""
+    kernels = load_kernels()
+    if kernels is None:
+        return None
+    module = kernels.quant_linear
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for qtype in QTYPES:
+            w = _random_blocks(qtype, 37, 96, gen)
+            ref = reference_dequantize(w)
+            got = module.dequantize(w.data, QTYPES[qtype], 96)
+            ok = torch.equal(got, ref)
+            for m in (1, 3, 5):
+                x = torch.randn(m, 96, generator=gen)
+                got = module.linear(x, w.data, QTYPES[qtype], 96)
+                ok &= torch.allclose(got, reference_linear(x, w), rtol=1e-4, atol=1e-4)
+            ids = torch.tensor([0, 36, 5])
+            ok &= torch.equal(module.rows(w.data, ids, QTYPES[qtype], 96), ref[ids])
+            if not ok:
+                logger.warning("CPU quantized-linear kernel disagrees with PyTorch on %s; using PyTorch ops", qtype)
+                return None
+    return module
+
+
+def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
+    """Random but valid blocks (finite fp16 scales) of ``qtype``."""
+    nb, bs = k // BLOCK, BLOCK_BYTES[qtype]
+    data = torch.randint(0, 256, (n, nb, bs), dtype=torch.uint8, generator=gen)
+
+    def halves(scale: float) -> torch.Tensor:  # [n, nb, 2]: one fp16 per block, as its two bytes
+        return ((torch.rand(n, nb, 1, generator=gen) - 0.5) * scale).to(torch.float16).view(torch.uint8)
+
+    data[..., 0:2] = halves(0.1)
+    if qtype == "Q4_1":
+        data[..., 2:4] = halves(1.0)
+    return QuantTensor(qtype, data.reshape(n, nb * bs), (n, k))
+
+
+def linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(w)^T (+ bias)`` for float32 ``x`` [..., K]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    op = quant_ops() if x.device.type == "cpu" else None
+    if op is not None:
+        # Every row count takes the kernel, so a row's result never depends on what shares its batch (and the
+        # integer products keep up with the float32 GEMM even at prefill sizes: bench.linear_kernels).
+        y = op.linear(x2.float(), w.data, QTYPES[w.qtype], k).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.linear(x2, w.dequantize().to(x.dtype), bias)
+    return y.reshape(*lead, w.shape[0])
+
+
+def embedding(ids: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """Rows ``ids`` of ``dequantize(w)``, float32, without unpacking the others."""
+    op = quant_ops() if w.data.device.type == "cpu" else None
+    flat = ids.reshape(-1)
+    if op is not None:
+        rows = op.rows(w.data, flat.to(torch.int64), QTYPES[w.qtype], w.shape[1])
+    else:
+        rows = reference_dequantize(w.rows(flat))
+    return rows.reshape(*ids.shape, w.shape[1])

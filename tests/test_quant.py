@@ -1,0 +1,126 @@
+"""Block-quantized weights (Q8_0, Q4_0, Q4_1) served as they are: the readers against gguf-py's dequantization, the
+compiled kernels against the PyTorch definition, our quantizers' round trip, and a quantized tiny model against
+the same weights dequantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.models import quant
+from radixserve.runtime.models.quant import QuantTensor, quantize_q4_1, quantize_q8_0, reference_dequantize
+from radixserve.runtime.sampling_params import SamplingParams
+from tests.tiny_model import write_tiny_gguf
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def _gguf_blocks(qtype: str, w: np.ndarray) -> tuple[QuantTensor, np.ndarray]:
+    """``w`` quantized by gguf-py, as a QuantTensor, with gguf-py's own dequantization of it."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, kind)
+    blocks = QuantTensor(qtype, torch.from_numpy(np.ascontiguousarray(raw)).reshape(w.shape[0], -1), w.shape)
+    return blocks, gguf.quants.dequantize(raw, kind)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_blocks_decode_as_gguf_py_decodes_them(qtype: str) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 160)).astype(np.float32)
+    blocks, expected = _gguf_blocks(qtype, w)
+    assert torch.equal(reference_dequantize(blocks), torch.from_numpy(expected))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))  # the compiled unpacking, where built
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
+def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(qtype: str, rows: int) -> None:
+    rng = np.random.default_rng(1)
+    blocks, dense = _gguf_blocks(qtype, rng.standard_normal((67, 96)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
+    bias = torch.randn(67)
+    got = quant.linear(x, blocks, bias)
+    exact = x @ torch.from_numpy(dense).T + bias
+    # The block kernel: int8 activations, as llama.cpp, whatever the number of rows.
+    torch.testing.assert_close(got, quant.reference_linear(x, blocks) + bias, rtol=1e-5, atol=1e-4)
+    assert float((got - exact).norm() / exact.norm()) < 0.03  # the activations' rounding only (weights: ~10x it)
+    ids = torch.tensor([0, 66, 3, 3])
+    assert torch.equal(quant.embedding(ids, blocks), torch.from_numpy(dense)[ids])
+
+
+def test_the_compiled_kernels_build_and_pass_their_check() -> None:
+    """The kernels are what makes quantized serving fast: on this machine they must build (a C++ compiler is
+    part of the set-up) and agree with the PyTorch definition."""
+    assert quant.quant_ops() is not None
+
+
+@pytest.mark.parametrize(("quantize", "levels"), [(quantize_q8_0, 127), (quantize_q4_1, 15)])
+def test_our_quantizers_round_trip_within_half_a_step(quantize, levels: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.linspace(0.01, 3, 256)  # blocks of very different ranges
+    back = quantize(w).dequantize()
+    blocks, back_blocks = w.reshape(64, 8, 32), back.reshape(64, 8, 32)
+    span = blocks.amax(-1) - blocks.amin(-1) if levels == 15 else 2 * blocks.abs().amax(-1)
+    step = span / levels if levels == 15 else blocks.abs().amax(-1) / levels
+    err = (blocks - back_blocks).abs().amax(-1)
+    # Half a step of rounding, plus what the fp16 storage of the scale (and of Q4_1's minimum) can add at most.
+    fp16 = 2.0**-11
+    bound = step * (0.5 + levels * fp16) + blocks.amin(-1).abs() * fp16 + 1e-7
+    assert bool((err <= bound).all()), float((err / step).max())
+    mean_err = ((blocks - back_blocks).abs() / step[..., None]).mean()
+    assert float(mean_err) < 0.3  # a quarter of a step on average: the rounding, unbiased
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("tiny-gguf")
+    return {q: write_tiny_gguf(tiny_model_dir, out / f"tiny.{q}.gguf", qtype=q) for q in ("Q8_0", "Q4_1")}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_quantized_gguf_serves_its_blocks_and_matches_their_dequantization(
+    gguf_models: dict[str, Path], qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
+    path = gguf_models[qtype]
+    prompts = [[5 + (7 * i + j) % 150 for j in range(9 + 3 * i)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    outs, weights = {}, {}
+    for mode in ("auto", "none"):
+        engine = Engine(model=str(path), device="cpu", max_total_tokens=2048, quantization=mode)
+        try:
+            outs[mode] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
+            model = engine.core.runner.model
+            weights[mode] = {
+                type(m).__name__: m.qtype for m in model.modules() if getattr(m, "qtype", None) is not None
+            }
+            engine.check_kv()
+        finally:
+            engine.shutdown()
+    assert weights["none"] == {} and set(weights["auto"].values()) == {qtype}
+    assert weights["auto"].keys() >= {"Linear", "MergedLinear", "Embedding"}
+    assert outs["auto"] == outs["none"]
+
+
+def test_quantizing_a_checkpoint_at_load(tiny_model_dir: Path) -> None:
+    prompt = [[3, 17, 42, 99, 7, 8, 120]]
+    logits = {}
+    for mode in ("none", "int8", "int4"):
+        engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=1024, quantization=mode)
+        try:
+            model = engine.core.runner.model
+            qtypes = {m.qtype for m in model.modules() if getattr(m, "qtype", None) is not None}
+            assert qtypes == ({"int8": {"Q8_0"}, "int4": {"Q4_1"}}.get(mode) or set())
+            with torch.inference_mode():
+                hidden = model.model.embed_tokens(torch.tensor(prompt[0]))
+                logits[mode] = model.compute_logits(hidden).float()
+        finally:
+            engine.shutdown()
+    for mode, tol in (("int8", 0.02), ("int4", 0.25)):
+        rel = (logits[mode] - logits["none"]).norm() / logits["none"].norm()
+        assert rel < tol, (mode, float(rel))
