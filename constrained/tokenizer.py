@@ -237,7 +237,8 @@ def _build(tokenizer: Any, backend: Any, vocab_size: int | None, eos: tuple[int,
         # the Rust tokenizer itself, which knows those rules, and check it agrees with our byte table.
         from llguidance.hf import from_tokenizer  # imports transformers: only on this path
 
-        ll = from_tokenizer(tokenizer, n_vocab=size, eos_token=list(eos))
+        hf = getattr(tokenizer, "to_transformers", lambda: tokenizer)()  # the engine process's lean one
+        ll = from_tokenizer(hf, n_vocab=size, eos_token=list(eos))
         bad = _disagreement(ll, size, special, tokens)
         if bad is not None:
             raise TokenizerError(f"llguidance's view of token {bad} differs from the tokenizer's bytes")

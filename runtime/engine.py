@@ -47,15 +47,17 @@ class Engine(EngineAPI):
     """``Engine(model=..., ...)`` loads the model and starts serving at once.
 
     Thread-safe: ``submit``/``abort``/``generate`` may be called from any thread, ``stream`` from any event loop.
+    ``lean_tokenizer=True`` decodes with ``LeanTokenizer`` (no transformers import) where that is exact; the
+    engine process uses it, since its front end holds transformers' tokenizer for chat templates.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, lean_tokenizer: bool = False, **overrides: Any) -> None:
         config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
         self.config = config
         if config.node_rank != 0:
             raise ValueError("only node 0 runs the engine; other nodes run `radixserve serve ... --node-rank R`")
         tp_start = start_leader(config) if config.tp > 1 else None
-        loaded = tp_start[0] if tp_start is not None else load_model(config)
+        loaded = tp_start[0] if tp_start is not None else load_model(config, lean_tokenizer=lean_tokenizer)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.model_folder = loaded.folder

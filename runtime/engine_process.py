@@ -312,7 +312,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: str, log_for
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(log_level, log_format)
     try:
-        engine = Engine(config)
+        engine = Engine(config, lean_tokenizer=True)  # decoding only here: no transformers import
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which raises it
         if not isinstance(exc, ValueError):
             logger.exception("loading the model failed")

@@ -2,11 +2,11 @@
 
 ``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
 a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
-blocks the engine computes with directly. Other block types (the K-quants of Q4_K_M and friends, IQ types) are
-dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and still a
-quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores llama.cpp's). Every tensor is
-copied out of the memory-mapped file, so the mapping can be dropped once loading is done and only the engine's
-copy stays resident.
+blocks the engine computes with directly; Q4_K's sub-blocks become Q4_1 blocks (``k_quants``). Other block types
+(Q5_K, Q6_K, IQ types) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far
+below theirs, and still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
+llama.cpp's). Every tensor is copied out of the memory-mapped file, so the mapping can be dropped once loading is
+done and only the engine's copy stays resident.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from radixserve.runtime.gguf_file import GGUFFile
+from radixserve.runtime.k_quants import q4_k_to_q4_1
 from radixserve.runtime.models.quant import QTYPES, QuantTensor, quantize_q8_0
 
 logger = logging.getLogger("radixserve.model")
@@ -71,13 +73,13 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """Yield the file's tensors as ``(hf_name, tensor)``; with ``keep_quantized=False`` every weight comes out as
     float32 (the exact dequantization, for parity checks and for layers that cannot use the block kernels)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    requantized = 0
+    requantized = reblocked = 0
     with tqdm(total=len(reader.tensors), desc="Loading weights", unit="tensor", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
         for t in reader.tensors:
@@ -86,14 +88,17 @@ def iter_gguf_weights(
             if name is None:
                 continue
             qtype = GGMLQuantizationType(t.tensor_type).name
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+            shape = t.shape
+            raw = reader.data(t).reshape(shape[0] if len(shape) > 1 else 1, -1)
             if qtype in _FLOAT_TYPES:
-                value: torch.Tensor | QuantTensor = _float_tensor(t.data, qtype).reshape(shape)
+                value: torch.Tensor | QuantTensor = _float_tensor(raw, qtype).reshape(shape)
             elif len(shape) == 2 and keep_quantized and qtype in QTYPES:
-                data = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)  # a copy: the map is dropped
-                value = QuantTensor(qtype, data, shape)  # type: ignore[arg-type]
+                value = QuantTensor(qtype, torch.from_numpy(raw.copy()), shape)  # type: ignore[arg-type]
+            elif len(shape) == 2 and keep_quantized and qtype == "Q4_K":
+                value = QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), shape)  # type: ignore[arg-type]
+                reblocked += 1
             else:
-                dense = torch.from_numpy(dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
+                dense = torch.from_numpy(dequantize(raw, t.tensor_type).astype(np.float32)).reshape(shape)
                 if len(shape) == 2 and keep_quantized and shape[1] % 32 == 0:
                     value, requantized = quantize_q8_0(dense), requantized + 1
                 else:
@@ -104,9 +109,11 @@ def iter_gguf_weights(
                     value, heads
                 )
             yield name, value
+    if reblocked:
+        logger.info("re-blocked %d Q4_K tensors as Q4_1 (the same quants, docs/quantization.md)", reblocked)
     if requantized:
         logger.info("re-quantized %d GGUF tensors of other block types to Q8_0 (docs/quantization.md)", requantized)
-    del reader  # drops the memory map: only the copies stay resident
+    reader.close()  # drops the memory map: only the copies stay resident
 
 
 def _order(n: int, n_head: int) -> torch.Tensor:
@@ -114,8 +121,8 @@ def _order(n: int, n_head: int) -> torch.Tensor:
     return _unpermute(torch.arange(n), n_head)
 
 
-def _float_tensor(data: np.ndarray, qtype: str) -> torch.Tensor:
-    """A copy of a float tensor out of the map (the map is dropped after loading)."""
-    if qtype == "BF16":  # numpy has no bfloat16: the raw 16-bit words, reinterpreted
-        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(data))
+def _float_tensor(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """A copy of a float tensor's bytes out of the map (the map is dropped after loading)."""
+    view = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[qtype]
+    tensor = torch.from_numpy(raw.view(view).copy())
+    return tensor.view(torch.bfloat16) if qtype == "BF16" else tensor  # numpy has no bfloat16: the raw words

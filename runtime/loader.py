@@ -165,14 +165,14 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     return f"activations {str(dtype).removeprefix('torch.')}, weights {total / 2**20:.1f} MiB ({parts})"
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, *, lean_tokenizer: bool = False) -> LoadedModel:
     start = time.perf_counter()
     folder = model_folder(config)
     hf_config = load_hf_config(folder)
     args = ModelArgs.from_hf_config(hf_config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
-    tokenizer = load_tokenizer(tokenizer_folder(config, folder))
+    tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
     with one_intra_op_thread():
         model = build_model(args, dtype, device)
         model.load_weights(model_weights(folder, hf_config, config, device), device=device)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from safetensors import safe_open
 from tqdm import tqdm
 
+from radixserve.runtime.lean_tokenizer import LeanTokenizer
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -124,15 +126,19 @@ _GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "mistral"})
 _GENERIC_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 
 
-def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(folder: Path, *, lean: bool = False) -> PreTrainedTokenizerBase:
     """The folder's fast (Rust ``tokenizers``) tokenizer; ValueError when only a slow one is available.
 
-    The engine relies on the fast tokenizer for offsets and incremental detokenization speed.
+    The engine relies on the fast tokenizer for offsets and incremental detokenization speed. ``lean``: where it
+    decodes the same, a ``LeanTokenizer`` (no transformers import; the engine process's choice).
     """
     folder = Path(folder)
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ValueError(f"model folder {folder} has no tokenizer.json / tokenizer_config.json")
-    if _generic_fast_tokenizer(folder):
+    generic = _generic_fast_tokenizer(folder)
+    if lean and generic and LeanTokenizer.serves(folder):
+        return LeanTokenizer(folder)  # type: ignore[return-value]
+    if generic:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(folder))

@@ -124,3 +124,41 @@ def test_quantizing_a_checkpoint_at_load(tiny_model_dir: Path) -> None:
     for mode, tol in (("int8", 0.02), ("int4", 0.25)):
         rel = (logits[mode] - logits["none"]).norm() / logits["none"].norm()
         assert rel < tol, (mode, float(rel))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_1"])
+def test_the_lean_gguf_reader_reads_what_gguf_py_reads(tiny_model_dir: Path, tmp_path: Path, qtype: str) -> None:
+    from radixserve.runtime.gguf_file import GGUFFile
+
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / f"tiny.{qtype}.gguf", qtype=qtype)
+    theirs = gguf.GGUFReader(str(path))
+    with GGUFFile(path) as ours:
+        assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert (a.tensor_type, a.shape) == (int(b.tensor_type), tuple(int(d) for d in reversed(b.shape)))
+            assert np.array_equal(ours.data(a), np.asarray(b.data).view(np.uint8).reshape(-1)), a.name
+        for key, field in theirs.fields.items():
+            if field.types and field.types[0] != gguf.GGUFValueType.ARRAY and not key.startswith("GGUF."):
+                assert ours.metadata[key] == pytest.approx(field.contents()), key
+    (tmp_path / "cut.gguf").write_bytes(path.read_bytes()[: path.stat().st_size - 100])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_q4_k_blocks_become_q4_1_blocks_of_the_same_weights() -> None:
+    from radixserve.runtime.k_quants import q4_k_to_q4_1
+
+    rng = np.random.default_rng(3)
+    rows, k = 7, 768
+    blocks = rng.integers(0, 256, size=(rows, k // 256, 144), dtype=np.uint8)  # any quants, scales and minimums
+    for at, lo, hi in ((0, 1e-4, 0.05), (2, 1e-4, 0.02)):  # d and dmin: positive fp16, as llama-quantize writes
+        blocks[..., at : at + 2] = rng.uniform(lo, hi, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    got = reference_dequantize(QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), (rows, k))).numpy()
+    # Only the fp16 rounding of d * sc and dmin * m: half an fp16 ulp of each, times the quant (at most 15).
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    bound = np.repeat((d * 63 * 15 + dmin * 63) * 2.0**-11, 256, axis=-1).reshape(rows, k)
+    assert np.all(np.abs(got - expected) <= bound + 1e-7)
+    assert np.abs(got - expected).max() < 0.01 * np.abs(expected).max()

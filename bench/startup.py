@@ -1,0 +1,89 @@
+"""Cached start to ready: from the command to the first 200 from ``/health``, radixserve against llama-server.
+
+Each server is started ``--runs`` times in turn (the first start of each is a warm-up that fills caches and is
+not counted), polled every 20 ms; printed: the median and each run's seconds, and the ratio to llama-server.
+
+    python -m bench.startup                       # the built-in SmolLM2-135M, 5 runs
+    python -m bench.startup --radixserve-args "--no-engine-process"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+
+from bench import llamacpp_peer as llama
+from bench.common import format_table
+from bench.peers import PEERS
+from radixserve.runtime.model_source import resolve_model
+
+
+def time_to_ready(argv: Sequence[str], port: int, timeout_s: float = 300.0) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited with status {proc.returncode}: {shlex.join(argv)}")
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - start > timeout_s:
+                raise RuntimeError(f"not ready within {timeout_s:.0f} s: {shlex.join(argv)}")
+            time.sleep(0.02)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--radixserve-args", default="")
+    p.add_argument("--skip-llama", action="store_true")
+    args = p.parse_args(argv)
+    folder = resolve_model(args.model)  # converted once, before anything is timed
+
+    def ours(port: int) -> list[str]:
+        return [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", args.model, "--port", str(port),
+                *shlex.split(args.radixserve_args)]  # fmt: skip
+
+    engines = {"radixserve": ours}
+    if not args.skip_llama:
+        found = subprocess.run(["bash", str(PEERS / "llama-server.sh")], capture_output=True, text=True, check=True)
+        kind = llama.ServerKind("llama-server", (found.stdout.strip().splitlines()[-1],))
+        gguf = folder / "model.gguf"
+        engines["llama-server"] = lambda port: llama.server_argv(kind, gguf, port, os.cpu_count() or 2, 8, 4096)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for run in range(args.runs + 1):  # interleaved, so drift hits both alike; run 0 warms caches up
+        for name, make in engines.items():
+            port = llama.free_port()
+            seconds = time_to_ready(make(port), port)
+            if run:
+                times[name].append(seconds)
+    rows = [[name, statistics.median(ts), " ".join(f"{t:.2f}" for t in ts)] for name, ts in times.items()]
+    print(f"# cached start to the first 200 from /health, {args.model}, {args.runs} runs each")
+    print(format_table(["server", "median s", "runs"], rows))
+    if "llama-server" in times:
+        ratio = statistics.median(times["radixserve"]) / statistics.median(times["llama-server"])
+        print(f"radixserve / llama-server: {ratio:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The tokenizer the engine process uses: Rust ``tokenizers`` directly, without importing transformers.
+
+The engine process only decodes (incremental detokenization and stop strings), reads the special ids and hands
+the Rust tokenizer to the grammar backend; the front end, which renders chat templates and tokenizes, keeps
+transformers' tokenizer. Importing transformers costs ~2 s, most of a cached start. ``LeanTokenizer`` is used
+only where transformers would build its generic fast tokenizer from the same ``tokenizer.json`` (see
+``weights.load_tokenizer``) and where its decoding is the Rust decoder's output unchanged: no
+``clean_up_tokenization_spaces``, or a BPE model, for which transformers >= 5 skips that clean-up. Invariant,
+tested on the tiny and the built-in tokenizers (tests/test_lean_tokenizer.py): every method here returns what
+transformers' tokenizer returns for the same folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _content(token: Any) -> str | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class LeanTokenizer:
+    """The subset of transformers' fast tokenizer that the engine process calls."""
+
+    is_fast = True
+
+    def __init__(self, folder: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.folder = Path(folder)
+        self.backend_tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+        config = json.loads((self.folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        self._config = config
+        ids: dict[str, int | None] = {}
+        for attr in _SPECIAL_ATTRS:
+            text = _content(config.get(attr))
+            ids[attr] = self.backend_tokenizer.token_to_id(text) if text is not None else None
+        self.bos_token_id, self.eos_token_id = ids["bos_token"], ids["eos_token"]
+        self.pad_token_id, self.unk_token_id = ids["pad_token"], ids["unk_token"]
+        extra = [*(config.get("additional_special_tokens") or []), *(config.get("extra_special_tokens") or [])]
+        special = [ids[a] for a in _SPECIAL_ATTRS] + [self.backend_tokenizer.token_to_id(_content(t) or "")
+                                                       for t in extra]  # fmt: skip
+        self.all_special_ids = list(dict.fromkeys(i for i in special if i is not None))
+
+    @staticmethod
+    def serves(folder: Path) -> bool:
+        """Whether the lean tokenizer decodes exactly as transformers' would for this folder."""
+        try:
+            config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
+            spec = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        if not isinstance(config, dict) or not isinstance(spec, dict):
+            return False
+        bpe = isinstance(spec.get("model"), dict) and spec["model"].get("type") == "BPE"
+        return bpe or not config.get("clean_up_tokenization_spaces", False)
+
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
+        if isinstance(ids, int):
+            return self.backend_tokenizer.id_to_token(ids)
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def to_transformers(self) -> Any:
+        """transformers' tokenizer of the same folder, for the rare paths that need it (imports transformers)."""
+        from radixserve.runtime.weights import load_tokenizer
+
+        return load_tokenizer(self.folder)
