@@ -92,7 +92,15 @@ def one_user(tokenizer: Any, output_len: int = 128) -> Workload:
     return Workload("one user", ((tuple(prompt),),), output_len, clients=1)
 
 
-WORKLOADS = {"shared": shared_prompt, "distinct": distinct, "multiturn": multi_turn, "single": one_user}
+def sixteen_users(tokenizer: Any, n: int = 16, prompt_tokens: int = 64, output_len: int = 64) -> Workload:
+    """16 users decoding at once from short distinct prompts: the decode-bound batch (for models of ~1B and up,
+    where the 600-token prompts of ``distinct`` would measure prefill for minutes)."""
+    reqs = make_workload(tokenizer, n, (prompt_tokens, prompt_tokens), (output_len, output_len), seed=4)
+    return Workload("16 users", tuple((tuple(r.prompt_ids),) for r in reqs), output_len, clients=16)
+
+
+WORKLOADS = {"shared": shared_prompt, "distinct": distinct, "multiturn": multi_turn, "single": one_user,
+             "users16": sixteen_users}  # fmt: skip
 
 
 @dataclass

@@ -140,7 +140,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder (radixserve, vLLM)")
     p.add_argument("--gguf", default="", help="GGUF for llama-server (default: the F32 GGUF of the built-in model)")
     p.add_argument("--engines", default="radixserve,vllm,llama-server")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default="shared,distinct,multiturn,single", help=f"of {','.join(WORKLOADS)}")
     p.add_argument("--radixserve-args", default="", help="extra flags for `radixserve serve`")
     p.add_argument("--vllm-args", default="")
     p.add_argument("--llama-args", default="")

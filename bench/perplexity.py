@@ -18,9 +18,11 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
 from bench import llamacpp_peer as llama
 from bench.common import format_table
-from bench.peers import PEERS
+from bench.peers import PEERS, llama_server
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.gguf_file import GGUFFile
 from radixserve.runtime.model_source import resolve_model
@@ -86,8 +88,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     if bos is not None:
         tokens = [int(bos), *tokens]  # llama-perplexity tokenizes with the BOS its vocabulary adds
     pieces = chunks(tokens, args.ctx, int(bos) if bos is not None else None)
-    rows = [["radixserve, blocks", ours(args.model, "auto", pieces)],
-            ["radixserve, float32 of the blocks", ours(args.model, "none", pieces)]]  # fmt: skip
+    tokenizations = {"our tokens": pieces}
+    if not args.skip_llama:
+        # llama.cpp tokenizes with its own pre-tokenizer: score its tokens too, so that the comparison with
+        # llama-perplexity is on the same ids (its tokenizer is not ours to measure).
+        with llama_server(gguf, "", parallel=1) as url:
+            text = args.text.read_text(encoding="utf-8")
+            theirs_ids = httpx.post(url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"]
+        if bos is not None:
+            theirs_ids = [int(bos), *theirs_ids]
+        print(f"llama.cpp's tokens: {len(theirs_ids)}; ours: {len(tokens)}; first difference at "
+              f"{next((i for i, (a, b) in enumerate(zip(tokens, theirs_ids)) if a != b), None)}")  # fmt: skip
+        tokenizations["llama.cpp's tokens"] = chunks(theirs_ids, args.ctx, int(bos) if bos is not None else None)
+    rows = []
+    for label, ids in tokenizations.items():
+        rows.append([f"radixserve, blocks, {label}", ours(args.model, "auto", ids)])
+        rows.append([f"radixserve, float32 of the blocks, {label}", ours(args.model, "none", ids)])
     if not args.skip_llama:
         rows.append(["llama-perplexity, the file", theirs(gguf, args.text, args.ctx, len(pieces))])
         f32 = llama.f32_gguf(args.model)
@@ -95,8 +111,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows.append(["llama-perplexity, its F32", theirs(f32, args.text, args.ctx, len(pieces))])
     print(f"# perplexity, {args.text.name}: {len(tokens)} tokens, {len(pieces)} chunks of {args.ctx}, {args.model}")
     print(format_table(["run", "PPL"], rows))
-    if len(rows) > 2:
-        print(f"ours (blocks) / llama-perplexity (the file): {rows[0][1] / rows[2][1]:.4f}")
+    if not args.skip_llama:
+        print(f"ours (blocks, llama.cpp's tokens) / llama-perplexity (the file): {rows[2][1] / rows[4][1]:.4f}")
+        if len(rows) > 5:
+            print(f"ours (float32, llama.cpp's tokens) / llama-perplexity (its F32): {rows[3][1] / rows[5][1]:.4f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ the same weights dequantized."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from radixserve.runtime.engine import Engine
+from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.models import quant
 from radixserve.runtime.models.quant import QuantTensor, quantize_q4_1, quantize_q8_0, reference_dequantize
 from radixserve.runtime.sampling_params import SamplingParams
@@ -48,7 +51,7 @@ def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
     exact = x @ torch.from_numpy(dense).T + bias
     # The block kernel: int8 activations, as llama.cpp, whatever the number of rows.
     torch.testing.assert_close(got, quant.reference_linear(x, blocks) + bias, rtol=1e-5, atol=1e-4)
-    assert float((got - exact).norm() / exact.norm()) < 0.03  # the activations' rounding only (weights: ~10x it)
+    assert float((got - exact).norm() / exact.norm()) < 0.01  # the activations' rounding only (~0.5%)
     ids = torch.tensor([0, 66, 3, 3])
     assert torch.equal(quant.embedding(ids, blocks), torch.from_numpy(dense)[ids])
 
@@ -77,9 +80,12 @@ def test_our_quantizers_round_trip_within_half_a_step(quantize, levels: int) -> 
 
 
 @pytest.fixture(scope="module")
-def gguf_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def gguf_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     out = tmp_path_factory.mktemp("tiny-gguf")
-    return {q: write_tiny_gguf(tiny_model_dir, out / f"tiny.{q}.gguf", qtype=q) for q in ("Q8_0", "Q4_1")}
+    files = {q: write_tiny_gguf(tiny_model_dir, out / f"tiny.{q}.gguf", qtype=q) for q in ("Q8_0", "Q4_1")}
+    yield files
+    for path in files.values():  # the model cache's folders for these temporary files would only pile up
+        shutil.rmtree(resolve_model(str(path)), ignore_errors=True)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

@@ -79,7 +79,8 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
 def reference_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """What the block kernel computes for float32 ``x`` [M, K] (the definition it is checked against): each row of
     x rounded to int8 per block of 32 (scale max|x| / 127), integer dot products with the weight's levels, scaled by
-    both blocks' scales; Q4_1's offset times the exact float sum of the x block."""
+    both blocks' scales; Q4_1's offset times the sum of the rounded x block (so the result is exactly the
+    dequantized weight times the rounded x, as llama.cpp's Q8_1 activations make it)."""
     m, k = x.shape
     n, nb = w.shape[0], k // BLOCK
     xb = x.float().reshape(m, nb, BLOCK)
@@ -96,7 +97,8 @@ def reference_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     y = (dots * (dw[None] * dx.squeeze(-1)[:, None]).double()).sum(-1)
     if w.qtype == "Q4_1":
         mw = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-        y = y + (xb.sum(-1).double()[:, None, :] * mw[None].double()).sum(-1)
+        sx = qx.sum(-1).double() * dx.squeeze(-1).double()  # [m, nb]
+        y = y + (sx[:, None, :] * mw[None].double()).sum(-1)
     return y.float()
 
 
