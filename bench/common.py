@@ -263,6 +263,16 @@ def machine_summary() -> str:
     )
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM (a server drains and exits), then SIGKILL if it has not exited within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_until_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 600.0, what: str = "the server") -> None:
     """Poll ``url``/health until it answers 200; raise if ``proc`` exits first or ``timeout_s`` passes."""
     import httpx

@@ -7,7 +7,8 @@ weights they read; this measures which kernel and which weight format make them 
 * ``f32-onednn``: oneDNN on a prepacked float32 weight (what the engine runs for float32 on CPU);
 * ``bf16``: ``F.linear`` on bfloat16 weights and activations;
 * ``int8``: ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, one scale per output channel, float32 activations);
-* ``int4-g{32,64,128}``: ``_weight_int4pack_mm_for_cpu`` (int4 weights, group-wise scales and zeros).
+* ``int4-g{32,64,128}``: ``_weight_int4pack_mm_for_cpu`` (int4 weights, group-wise scales and zeros);
+* ``ours-Q8_0``, ``ours-Q4_1``: the engine's block kernels (``runtime/models/csrc/quant_linear.cpp``).
 
     python -m bench.linear_kernels --rows 1,16,256 --shapes 576x1728,576x576,576x3072,1536x576,576x49152
 """
@@ -63,6 +64,11 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
             out[f"int4-g{group}"] = lambda x, q4=q4, sz=sz, group=group: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, q4, group, sz
             )
+    from radixserve.runtime.models import quant
+
+    for qtype, quantize in quant.QUANTIZERS.items():  # ours: GGUF blocks, int8 activations
+        blocks = quantize(w)
+        out[f"ours-{qtype}"] = lambda x, blocks=blocks: quant.linear(x, blocks)
     return out
 
 
@@ -83,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated INxOUT")
     p.add_argument("--rows", default="1,16,256")
     p.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
+    p.add_argument("--only", default="", help="comma-separated candidate names (default: all)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rows = []
@@ -91,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             k, n = (int(v) for v in shape.split("x"))
             w = torch.randn(n, k) / k**0.5
             ops = candidates(w)
+            if args.only:
+                ops = {k: v for k, v in ops.items() if k in args.only.split(",")}
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k)
                 ref = F.linear(x, w)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import llamacpp_peer as llama
-from bench.common import format_table, wait_until_healthy
+from bench.common import format_table, stop_process, wait_until_healthy
 from bench.peer_workloads import WORKLOADS, Result, Workload, run
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.weights import load_tokenizer
@@ -51,12 +51,7 @@ def _process(argv: Sequence[str], port: int, what: str, env: dict[str, str] | No
         print(log.read().decode(errors="replace")[-3000:], file=sys.stderr)
         raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

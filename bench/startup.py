@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import httpx
 
 from bench import llamacpp_peer as llama
-from bench.common import format_table
+from bench.common import format_table, stop_process
 from bench.peers import PEERS
 from radixserve.runtime.model_source import resolve_model
 
@@ -43,12 +43,7 @@ def time_to_ready(argv: Sequence[str], port: int, timeout_s: float = 300.0) -> f
                 raise RuntimeError(f"not ready within {timeout_s:.0f} s: {shlex.join(argv)}")
             time.sleep(0.02)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 LOGGER = logging.getLogger("radixserve.model")
@@ -88,16 +89,19 @@ def convert_gguf(
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     gguf_file, dest = Path(gguf_file).resolve(), Path(dest)
-    folder, name = str(gguf_file.parent), gguf_file.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # transformers reads the GGUF from a folder of its own: next to a tokenizer_config.json (a GGUF kept beside
+    # the HF checkpoint it was made from) it mixes that file's settings into the GGUF's tokenizer and loses EOS.
+    with tempfile.TemporaryDirectory(prefix="radixserve-gguf-") as scratch:
+        (Path(scratch) / gguf_file.name).symlink_to(gguf_file)
+        config = AutoConfig.from_pretrained(scratch, gguf_file=gguf_file.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_file.name)
+        except Exception as exc:  # surface *which* step failed; transformers' message alone is cryptic here
+            raise RuntimeError(
+                f"could not build a tokenizer from {gguf_file} (does it carry tokenizer metadata?)"
+            ) from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except Exception as exc:  # surface *which* step failed; transformers' message alone is cryptic here
-        raise RuntimeError(
-            f"could not build a tokenizer from {gguf_file} (does it carry tokenizer metadata?)"
-        ) from exc
 
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     if not template:

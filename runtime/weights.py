@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import safe_open
 from tqdm import tqdm
 
+from radixserve.runtime.json_file import read_json_object
 from radixserve.runtime.lean_tokenizer import LeanTokenizer
 
 if TYPE_CHECKING:
@@ -108,12 +109,7 @@ def load_hf_config(folder: Path) -> SimpleNamespace:
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"model folder {folder} has no config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+    raw = read_json_object(path)
     fields = {**_COMMON_DEFAULTS, **_CONFIG_DEFAULTS.get(str(raw.get("model_type", "")), {}), **raw}
     return SimpleNamespace(**fields)
 

@@ -7,10 +7,11 @@ transformers' ``generate``. ``--generation-config vllm`` turns this off; a path 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from radixserve.runtime.json_file import read_json_object
 
 logger = logging.getLogger("radixserve.server")
 
@@ -34,12 +35,7 @@ def sampling_defaults(setting: str, model_folder: Path | None) -> dict[str, Any]
         if setting != "auto":
             raise ValueError(f"--generation-config {setting}: no {FILE} at {path}")
         return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+    raw = read_json_object(path)
     defaults: dict[str, Any] = {}
     for key in KEYS:
         value = raw.get(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -382,3 +383,13 @@ def test_dtype_auto_is_bfloat16_only_with_native_bf16(
     monkeypatch.setattr(loader, "cpu_flags", lambda: frozenset(flags))
     assert loader.resolve_dtype("auto", torch.device("cpu"), None) == expected
     assert loader.resolve_dtype("float32", torch.device("cpu"), None) == torch.float32
+
+
+def test_a_gguf_beside_its_hf_tokenizer_files_keeps_its_eos(tiny_dir: Path, cache: Path, tmp_path: Path) -> None:
+    # A GGUF made from a checkpoint often sits in the checkpoint's folder; transformers, reading it from there,
+    # mixed the folder's tokenizer_config.json into the GGUF's tokenizer and lost EOS: the conversion failed.
+    beside = tmp_path / "checkpoint"
+    shutil.copytree(tiny_dir, beside)
+    gguf = write_tiny_gguf(tiny_dir, beside / "model-F32.gguf")
+    folder = resolve_model(str(gguf))
+    assert load_tokenizer(folder).eos_token == "<|im_end|>"

@@ -224,3 +224,28 @@ def test_worker_urls_are_checked_before_the_router_starts() -> None:
     for url in ("http://127.0.0.1:99999", "http://[::1", "ftp://host", "http://:80"):
         with pytest.raises(ValueError, match="worker-urls"):
             RouterConfig(worker_urls=(url,))
+
+
+def test_router_metrics_are_open_parse_and_count_what_happened() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    down = ReplicaUnavailable("cannot connect", dead=True)
+    transport = FakeTransport({"a": lambda p, h: down, "b": ok_json()})
+    auth = {"Authorization": "Bearer sekret"}
+    with fake_router(transport, api_key="sekret") as client:
+        for _ in range(3):
+            assert client.post("/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+        scrape = client.get("/metrics")  # no key: a Prometheus scrape needs none unless --protect-metrics
+        assert scrape.status_code == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(scrape.text)
+        for s in family.samples
+    }
+    p = "radixserve_router:"
+    assert samples[(p + "replica_healthy", (("replica", "a"),))] == 0.0
+    assert samples[(p + "replica_healthy", (("replica", "b"),))] == 1.0
+    assert samples[(p + "replica_in_flight", (("replica", "b"),))] == 0.0
+    assert samples[(p + "requests_routed_total", (("replica", "b"),))] == 3.0
+    assert samples[(p + "replica_marked_unhealthy_total", (("replica", "a"),))] == 1.0
+    assert sum(v for (name, _), v in samples.items() if name == p + "routing_decisions_total") >= 3
