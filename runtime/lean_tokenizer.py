@@ -60,7 +60,24 @@ class LeanTokenizer:
         if not isinstance(config, dict) or not isinstance(spec, dict):
             return False
         bpe = isinstance(spec.get("model"), dict) and spec["model"].get("type") == "BPE"
-        return bpe or not config.get("clean_up_tokenization_spaces", False)
+        if not (bpe or not config.get("clean_up_tokenization_spaces", False)):
+            return False
+        # transformers also reads special_tokens_map.json; only where it says what tokenizer_config.json says
+        # (or is absent) are the special ids read here the same as transformers'.
+        path = Path(folder) / "special_tokens_map.json"
+        if path.is_file():
+            try:
+                extra = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                return False
+            if not isinstance(extra, dict):
+                return False
+            for attr in _SPECIAL_ATTRS:
+                if attr in extra and _content(extra[attr]) != _content(config.get(attr)):
+                    return False
+            if extra.get("additional_special_tokens") and "additional_special_tokens" not in config:
+                return False
+        return True
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens)

@@ -60,3 +60,16 @@ def test_the_engine_process_does_not_import_transformers(tiny_model_dir: Path) -
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_special_tokens_map_that_says_otherwise_keeps_transformers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_model_dir, folder)
+    assert isinstance(load_tokenizer(folder, lean=True), LeanTokenizer)
+    (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_start|>"}))
+    tokenizer = load_tokenizer(folder, lean=True)
+    assert not isinstance(tokenizer, LeanTokenizer)
+    assert tokenizer.eos_token_id == load_tokenizer(folder).eos_token_id
