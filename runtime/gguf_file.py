@@ -22,6 +22,26 @@ from pathlib import Path
 
 import numpy as np
 
+# GGML tensor types the engine meets: id -> (name, values per block, bytes per block), as gguf-py's
+# GGML_QUANT_SIZES (tests/test_quant.py checks every row against it). Others are looked up in gguf-py, whose import
+# (~0.2 s) a start with only these types does not pay.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2),
+}  # fmt: skip
+
+
+def ggml_type(type_id: int) -> tuple[str, int, int]:
+    """``(name, values per block, bytes per block)`` of a GGML tensor type."""
+    if type_id in GGML_TYPES:
+        return GGML_TYPES[type_id]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType(type_id)
+    return (kind.name, *GGML_QUANT_SIZES[kind])
+
+
 # GGUF metadata value types: struct format of the fixed-size ones.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -44,8 +64,6 @@ class GGUFFile:
     bytes in the map. Invariant: views stay valid until ``close()``; callers copy what they keep."""
 
     def __init__(self, path: str | Path) -> None:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = Path(path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -75,7 +93,7 @@ class GGUFFile:
         start = (pos + alignment - 1) // alignment * alignment
         self.tensors: list[TensorInfo] = []
         for name, dims, ttype, offset in raw:
-            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+            _, block, size = ggml_type(ttype)
             count = int(np.prod(dims)) if dims else 1
             if count % block:
                 raise ValueError(f"{self.path}: tensor {name} has {count} values, not a whole number of blocks")

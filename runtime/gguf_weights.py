@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from radixserve.runtime.gguf_file import GGUFFile
+from radixserve.runtime.gguf_file import GGUFFile, ggml_type
 from radixserve.runtime.k_quants import q4_k_to_q4_1
 from radixserve.runtime.models.quant import QTYPES, QuantTensor, quantize_q8_0
 
@@ -73,9 +73,6 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """Yield the file's tensors as ``(hf_name, tensor)``; with ``keep_quantized=False`` every weight comes out as
     float32 (the exact dequantization, for parity checks and for layers that cannot use the block kernels)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     reader = GGUFFile(path)
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
@@ -87,7 +84,7 @@ def iter_gguf_weights(
             bar.update(1)
             if name is None:
                 continue
-            qtype = GGMLQuantizationType(t.tensor_type).name
+            qtype = ggml_type(t.tensor_type)[0]
             shape = t.shape
             raw = reader.data(t).reshape(shape[0] if len(shape) > 1 else 1, -1)
             if qtype in _FLOAT_TYPES:
@@ -98,6 +95,8 @@ def iter_gguf_weights(
                 value = QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), shape)  # type: ignore[arg-type]
                 reblocked += 1
             else:
+                from gguf.quants import dequantize  # only for block types the kernels do not take
+
                 dense = torch.from_numpy(dequantize(raw, t.tensor_type).astype(np.float32)).reshape(shape)
                 if len(shape) == 2 and keep_quantized and shape[1] % 32 == 0:
                     value, requantized = quantize_q8_0(dense), requantized + 1

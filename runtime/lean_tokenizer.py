@@ -49,18 +49,22 @@ class LeanTokenizer:
                                                        for t in extra]  # fmt: skip
         self.all_special_ids = list(dict.fromkeys(i for i in special if i is not None))
 
+    @classmethod
+    def load(cls, folder: Path) -> LeanTokenizer | None:
+        """The folder's lean tokenizer, or None where it would not answer exactly as transformers' does."""
+        if not cls._settings_agree(folder):
+            return None
+        tokenizer = cls(folder)
+        bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+        return tokenizer if bpe or not tokenizer._config.get("clean_up_tokenization_spaces", False) else None
+
     @staticmethod
-    def serves(folder: Path) -> bool:
-        """Whether the lean tokenizer decodes exactly as transformers' would for this folder."""
+    def _settings_agree(folder: Path) -> bool:
         try:
             config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
-            spec = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return False
-        if not isinstance(config, dict) or not isinstance(spec, dict):
-            return False
-        bpe = isinstance(spec.get("model"), dict) and spec["model"].get("type") == "BPE"
-        if not (bpe or not config.get("clean_up_tokenization_spaces", False)):
+        if not isinstance(config, dict) or not (Path(folder) / "tokenizer.json").is_file():
             return False
         # transformers also reads special_tokens_map.json; only where it says what tokenizer_config.json says
         # (or is absent) are the special ids read here the same as transformers'.

@@ -132,8 +132,9 @@ def load_tokenizer(folder: Path, *, lean: bool = False) -> PreTrainedTokenizerBa
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise ValueError(f"model folder {folder} has no tokenizer.json / tokenizer_config.json")
     generic = _generic_fast_tokenizer(folder)
-    if lean and generic and LeanTokenizer.serves(folder):
-        return LeanTokenizer(folder)  # type: ignore[return-value]
+    lean_tokenizer = LeanTokenizer.load(folder) if lean and generic else None
+    if lean_tokenizer is not None:
+        return lean_tokenizer  # type: ignore[return-value]
     if generic:
         from transformers import PreTrainedTokenizerFast
 

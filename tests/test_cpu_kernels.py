@@ -61,10 +61,11 @@ def test_a_build_killed_midway_does_not_block_later_starts(op) -> None:
     from pathlib import Path
 
     from radixserve.runtime import envs
-    from radixserve.runtime.cpu_ext import sources_key
+    from radixserve.runtime.cpu_ext import BUILT_MARKER, sources_key
 
     build_dir = envs.cache_dir() / "kernels" / sources_key()
-    (build_dir / "lock").touch()  # what a process killed mid-build leaves
+    (build_dir / "lock").touch()  # what a process killed mid-build leaves,
+    (build_dir / BUILT_MARKER).unlink(missing_ok=True)  # and it never got to mark the build finished
     code = (
         "from radixserve.runtime.attention.cpu_kernels import decode_attention_op\n"
         "assert decode_attention_op() is not None"
@@ -73,3 +74,24 @@ def test_a_build_killed_midway_does_not_block_later_starts(op) -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (build_dir / "lock").exists()
+    assert (build_dir / BUILT_MARKER).is_file()  # the next start imports the module without the builder
+
+
+def test_a_finished_build_is_imported_without_the_builder() -> None:
+    """torch's builder imports setuptools (~0.2 s): a start with a finished build of these sources skips it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from radixserve.runtime.cpu_ext import load_kernels\n"
+        "assert load_kernels() is not None\n"
+        "print('torch.utils.cpp_extension' in sys.modules)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    for expected in (None, "False"):  # the first run may build (and marks the build finished); the second may not
+        done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        if expected is not None:
+            assert done.stdout.strip().splitlines()[-1] == expected

@@ -168,3 +168,11 @@ def test_q4_k_blocks_become_q4_1_blocks_of_the_same_weights() -> None:
     bound = np.repeat((d * 63 * 15 + dmin * 63) * 2.0**-11, 256, axis=-1).reshape(rows, k)
     assert np.all(np.abs(got - expected) <= bound + 1e-7)
     assert np.abs(got - expected).max() < 0.01 * np.abs(expected).max()
+
+
+def test_the_ggml_type_table_is_gguf_pys() -> None:
+    from radixserve.runtime.gguf_file import GGML_TYPES
+
+    for type_id, (name, block, size) in GGML_TYPES.items():
+        kind = gguf.GGMLQuantizationType(type_id)
+        assert (kind.name, (block, size)) == (name, gguf.constants.GGML_QUANT_SIZES[kind])
