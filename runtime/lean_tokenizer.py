@@ -44,7 +44,9 @@ class LeanTokenizer:
             ids[attr] = self.backend_tokenizer.token_to_id(text) if text is not None else None
         self.bos_token_id, self.eos_token_id = ids["bos_token"], ids["eos_token"]
         self.pad_token_id, self.unk_token_id = ids["pad_token"], ids["unk_token"]
-        extra = [*(config.get("additional_special_tokens") or []), *(config.get("extra_special_tokens") or [])]
+        named = config.get("extra_special_tokens") or []  # transformers >= 5 may write it as {name: token}
+        named = list(named.values()) if isinstance(named, dict) else list(named)
+        extra = [*(config.get("additional_special_tokens") or []), *named]
         special = [ids[a] for a in _SPECIAL_ATTRS] + [self.backend_tokenizer.token_to_id(_content(t) or "")
                                                        for t in extra]  # fmt: skip
         self.all_special_ids = list(dict.fromkeys(i for i in special if i is not None))
