@@ -23,14 +23,11 @@ _PROBE_MESSAGES = [{"role": "user", "content": "Hello from radixserve"}]
 
 def read_gguf_chat_template(gguf_file: Path) -> str | None:
     """The ``tokenizer.chat_template`` string stored in a GGUF's metadata, or None when it has none."""
-    from gguf import GGUFReader
+    from radixserve.runtime.gguf_file import GGUFFile
 
-    reader = GGUFReader(str(gguf_file))
-    field = reader.fields.get("tokenizer.chat_template")
-    if field is None or not field.data:
-        return None
-    # A string field keeps its bytes in the part that data[0] points to (the layout of every gguf release).
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    with GGUFFile(gguf_file) as f:
+        template = f.metadata.get("tokenizer.chat_template")
+    return template if isinstance(template, str) and template else None
 
 
 def _write_chat_template_key(folder: Path, template: str) -> None:

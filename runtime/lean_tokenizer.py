@@ -12,10 +12,11 @@ transformers' tokenizer returns for the same folder.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from radixserve.runtime.json_file import read_json_object
 
 _SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -31,12 +32,12 @@ class LeanTokenizer:
 
     is_fast = True
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
+        """``config``: the folder's tokenizer_config.json, as ``load`` read it."""
         from tokenizers import Tokenizer
 
         self.folder = Path(folder)
         self.backend_tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
-        config = json.loads((self.folder / "tokenizer_config.json").read_text(encoding="utf-8"))
         self._config = config
         ids: dict[str, int | None] = {}
         for attr in _SPECIAL_ATTRS:
@@ -54,36 +55,36 @@ class LeanTokenizer:
     @classmethod
     def load(cls, folder: Path) -> LeanTokenizer | None:
         """The folder's lean tokenizer, or None where it would not answer exactly as transformers' does."""
-        if not cls._settings_agree(folder):
+        config = cls._settings_agree(folder)
+        if config is None:
             return None
-        tokenizer = cls(folder)
+        tokenizer = cls(folder, config)
         bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
         return tokenizer if bpe or not tokenizer._config.get("clean_up_tokenization_spaces", False) else None
 
     @staticmethod
-    def _settings_agree(folder: Path) -> bool:
+    def _settings_agree(folder: Path) -> dict[str, Any] | None:
+        """The folder's tokenizer_config.json where its special tokens are all there is to read, else None."""
         try:
-            config = json.loads((Path(folder) / "tokenizer_config.json").read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return False
-        if not isinstance(config, dict) or not (Path(folder) / "tokenizer.json").is_file():
-            return False
+            config = read_json_object(Path(folder) / "tokenizer_config.json")
+        except ValueError:
+            return None
+        if not (Path(folder) / "tokenizer.json").is_file():
+            return None
         # transformers also reads special_tokens_map.json; only where it says what tokenizer_config.json says
         # (or is absent) are the special ids read here the same as transformers'.
         path = Path(folder) / "special_tokens_map.json"
         if path.is_file():
             try:
-                extra = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                return False
-            if not isinstance(extra, dict):
-                return False
+                extra = read_json_object(path)
+            except ValueError:
+                return None
             for attr in _SPECIAL_ATTRS:
                 if attr in extra and _content(extra[attr]) != _content(config.get(attr)):
-                    return False
+                    return None
             if extra.get("additional_special_tokens") and "additional_special_tokens" not in config:
-                return False
-        return True
+                return None
+        return config
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend_tokenizer.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens)
