@@ -297,3 +297,39 @@ def hf_model(folder: Any, dtype: torch.dtype) -> Any:
 
     gguf = {"gguf_file": "model.gguf"} if (Path(folder) / "model.gguf").is_file() else {}
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **gguf).eval()
+
+
+def safetensors_folder(folder: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """An HF folder with safetensors weights for ``folder``: itself when it has them; for a GGUF-backed folder a copy
+    (config and tokenizer files, the GGUF's weights dequantized to ``dtype``) made once beside it, for peers that
+    read only safetensors (vLLM)."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from radixserve.runtime.gguf_convert import WEIGHTS_FILE
+    from radixserve.runtime.gguf_weights import iter_gguf_weights
+    from radixserve.runtime.weights import load_hf_config
+
+    folder = Path(folder)
+    if any(folder.glob("*.safetensors")) or not (folder / WEIGHTS_FILE).is_file():
+        return folder
+    target = folder.with_name(f"{folder.name}-safetensors-{str(dtype).removeprefix('torch.')}")
+    if (target / "model.safetensors").is_file():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.name not in (WEIGHTS_FILE, "radixserve_source.json"):
+            shutil.copy2(f, tmp / f.name)
+    config = load_hf_config(folder)
+    weights = {name: t.to(dtype).contiguous()
+               for name, t in iter_gguf_weights(folder / WEIGHTS_FILE, config, keep_quantized=False)}  # fmt: skip
+    if getattr(config, "tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage, and HF re-ties it
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target

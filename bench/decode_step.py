@@ -104,7 +104,8 @@ class Impl:
         return self.mod("engine").Engine(
             model=args.model,
             device="cpu",
-            dtype="float32",
+            dtype=args.dtype,
+            quantization=args.quantization,
             max_total_tokens=slots,
             max_running_requests=max(64, args.batch),
         )
@@ -219,6 +220,8 @@ def run_length(impls: list[Impl], args: argparse.Namespace, length: int, max_new
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto (the engine's --dtype)")
+    p.add_argument("--quantization", default="none", help="the engine's --quantization (none: plain weights)")
     p.add_argument("--batch", type=int, default=8, help="decoding rows per step")
     p.add_argument("--lengths", default="1500,200", help="comma-separated context lengths L")
     p.add_argument("--spread", type=float, default=0.2, help="prompt lengths are uniform in [L*(1-spread), L]")

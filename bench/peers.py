@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench import llamacpp_peer as llama
-from bench.common import format_table, stop_process, wait_until_healthy
+from bench.common import format_table, safetensors_folder, stop_process, wait_until_healthy
 from bench.peer_workloads import WORKLOADS, Result, Workload, run
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.weights import load_tokenizer
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if engine == "radixserve":
             server = radixserve(args.model, args.radixserve_args)
         elif engine == "vllm":
-            server = vllm(folder, args.vllm_args)
+            server = vllm(safetensors_folder(folder), args.vllm_args)
         elif engine == "llama-server":
             gguf = Path(args.gguf) if args.gguf else llama.f32_gguf(args.model)
             if gguf is None:

@@ -47,9 +47,11 @@ RUNTIME = Path(__file__).resolve().parent
 # so they compile as one translation unit (torch's headers, most of the build time, parsed once).
 SOURCES = (
     RUNTIME / "csrc" / "module.cpp",
+    RUNTIME / "csrc" / "simd.h",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
+    RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
 )
 
 
@@ -98,7 +100,7 @@ def load_kernels() -> ModuleType | None:
             (build_dir / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(
                 name=name,
-                sources=[str(SOURCES[0])],
+                sources=[str(SOURCES[0])],  # it includes the others (the header only for the key)
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
@@ -45,22 +46,6 @@ def resolve_device(spec: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {spec} was asked for but CUDA is not available; use --device cpu")
     return device
-
-
-# CPU features (Linux /proc/cpuinfo flag names) that give bfloat16 matrix products their own instructions.
-NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty where it does not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def resolve_dtype(spec: str, device: torch.device, hf_config: Any) -> torch.dtype:

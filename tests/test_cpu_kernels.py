@@ -41,6 +41,23 @@ def test_kernel_equals_reference(op, heads: int, kv_heads: int, dim: int) -> Non
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
+@torch.inference_mode()
+def test_kernel_in_bfloat16_reads_the_pool_in_its_dtype(op, heads: int, kv_heads: int, dim: int) -> None:
+    """A bfloat16 pool and queries: float32 arithmetic over the exact bfloat16 values, one rounding of the output
+    to bfloat16, lse in float32."""
+    gen = torch.Generator().manual_seed(heads * dim + 1)
+    kv = (torch.randn(2, kv_heads, 600, dim, generator=gen) * 3).to(torch.bfloat16)
+    lens = torch.tensor([1, 300, 17, 513, 64])
+    slots = torch.stack([torch.randperm(600, generator=gen)[:513] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(torch.bfloat16)
+    out, lse = op(q, kv, slots, lens, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want_out, want_lse = reference_decode_attention(q.float(), kv.float(), slots, lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), want_out, rtol=2**-8, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
 @torch.inference_mode()
 def test_kernel_handles_empty_rows_and_refuses_bad_slots(op) -> None:
     kv = torch.randn(2, 3, 50, 64)

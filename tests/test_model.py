@@ -72,12 +72,14 @@ def test_prefill_chunked_and_decode_match_hf(fixture: str, request: pytest.Fixtu
 
 
 # (dtype, compiled CPU kernel, head size): the kernel has an AVX-512 path for head sizes 64 and 128 and a
-# generic one for the rest; bfloat16 always takes PyTorch ops.
+# generic one for the rest, in float32 and bfloat16.
 DECODE_CASES = [
     (torch.float32, False, 16),
     (torch.bfloat16, False, 16),
     (torch.float32, True, 16),
     (torch.float32, True, 64),
+    (torch.bfloat16, True, 16),
+    (torch.bfloat16, True, 64),
 ]
 
 
@@ -189,6 +191,29 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
     check(torch.randn(8, 64))
 
 
+def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
+    from radixserve.runtime.cpu_features import native_bf16
+    from radixserve.runtime.models.linear import Linear, _bf16_rows_kernel, onednn_usable
+
+    torch.manual_seed(0)
+    layer = Linear(576, 1536, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(1536, 576))
+    with torch.inference_mode():
+        packed = layer.pack()
+        assert (packed is not None) == (bool(native_bf16()) and onednn_usable(torch.bfloat16))
+        # One to three rows take the AVX-512 BF16 kernel where the CPU has the instructions, more take oneDNN.
+        assert (_bf16_rows_kernel(torch.zeros(1, 576, dtype=torch.bfloat16), layer.weight) is not None) == (
+            "avx512_bf16" in native_bf16()
+        )
+        for rows in (1, 3, 8, 300):
+            x = torch.randn(rows, 576).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x.float(), layer.weight.float())
+            got = layer(x)
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:
     """The PyTorch reference of RMSNorm (F.rms_norm in float32) is bit-identical to the HF formula; the compiled
     fused op, and its residual-adding form, agree with it to float32 rounding."""
@@ -196,7 +221,7 @@ def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:
 
     torch.manual_seed(0)
     weight, eps = torch.randn(576), 1e-5
-    assert fused._ops() is not None, "the fused CPU ops did not build"
+    assert fused._ops(torch.float32) is not None, "the fused CPU ops did not build"
     for rows, scale in ((1, 1.0), (8, 30.0), (300, 0.01)):
         x = torch.randn(rows, 576) * scale
         want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
@@ -223,3 +248,36 @@ def test_fused_rope_and_silu_mul_agree_with_their_references() -> None:
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v, beside q and k in the same rows, untouched
     gate_up = torch.randn(5, 2 * 1536)
     torch.testing.assert_close(fused.silu_mul(gate_up), fused.ref_silu_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_ops_in_bfloat16_round_where_pytorch_does() -> None:
+    """In bfloat16 the kernels compute in float32 and round where the PyTorch definitions do: RMSNorm and the
+    residual add give the reference's bits up to one bfloat16 step on a few elements (float32 sums in another order
+    can round the other way), RoPE and SiLU-and-mul one rounding per result against PyTorch's one per op."""
+    from radixserve.runtime.models import fused
+
+    assert fused._ops(torch.bfloat16) is not None, "the fused CPU ops refused bfloat16"
+    torch.manual_seed(2)
+    bf = torch.bfloat16
+    weight, eps = torch.randn(576).to(bf), 1e-5
+    for rows in (1, 8, 300):
+        x = (torch.randn(rows, 576) * 4).to(bf)
+        got, want = fused.rms_norm(x, weight, eps), fused.ref_rms_norm(x, weight, eps)
+        assert got.dtype == bf
+        assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-7 + 1e-6).all()
+        assert (got != want).float().mean() < 0.02
+        residual, delta = torch.randn(rows, 576).to(bf), torch.randn(rows, 576).to(bf)
+        expected_residual = residual + delta
+        out = fused.add_rms_norm(delta, residual, weight, eps)
+        assert torch.equal(residual, expected_residual)  # the sum, rounded once, as PyTorch's add
+        ref = fused.ref_rms_norm(expected_residual, weight, eps)
+        assert (out.float() - ref.float()).abs().le(ref.float().abs() * 2**-7 + 1e-6).all()
+    qkv = torch.randn(7, 15 * 64).to(bf)
+    cos, sin = torch.randn(7, 1, 64).to(bf), torch.randn(7, 1, 64).to(bf)
+    qk = qkv[:, : 12 * 64].view(7, 12, 64)
+    exact = fused.ref_rope(qk.float(), cos.float(), sin.float())
+    fused.rope_(qk, cos, sin)
+    torch.testing.assert_close(qk.float(), exact, rtol=2**-8, atol=1e-6)  # one rounding of the exact result
+    gate_up = (torch.randn(5, 2 * 1536) * 3).to(bf)
+    exact = fused.ref_silu_mul(gate_up.float())
+    torch.testing.assert_close(fused.silu_mul(gate_up).float(), exact, rtol=2**-8, atol=1e-5)

@@ -25,13 +25,18 @@ from radixserve.runtime.threads import one_intra_op_thread
 logger = logging.getLogger("radixserve.kernels")
 
 
-# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W], lens [B], scale) -> (out [B, H, D], lse [B, H])
+# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W], lens [B], scale) -> (out [B, H, D] in q's dtype, lse [B, H] float32)
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], list[torch.Tensor]]
 
 
+# Pool dtypes the kernel reads, with its self-check's tolerance against the reference (bfloat16: the reference
+# computes in float32 from the same bfloat16 inputs, so only the output's rounding differs).
+DTYPES = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
 def applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on ``device`` in ``dtype`` can use these kernels (float32 on CPU)."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether a model on ``device`` in ``dtype`` can use these kernels (float32 or bfloat16 on CPU)."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES
 
 
 def reference_decode_attention(
@@ -41,29 +46,33 @@ def reference_decode_attention(
     b, h, d = q.shape
     n_kv = kv.shape[1]
     out = torch.empty_like(q)
-    lse = torch.empty(b, h, dtype=q.dtype)
+    lse = torch.empty(b, h, dtype=torch.float32)
     for i in range(b):
         idx = slots[i, : int(lens[i])]
-        keys = kv[0][:, idx].repeat_interleave(h // n_kv, dim=0)  # [H, L, D]
-        values = kv[1][:, idx].repeat_interleave(h // n_kv, dim=0)
-        scores = torch.einsum("hd,hld->hl", q[i], keys) * scale
+        keys = kv[0][:, idx].repeat_interleave(h // n_kv, dim=0).float()  # [H, L, D]
+        values = kv[1][:, idx].repeat_interleave(h // n_kv, dim=0).float()
+        scores = torch.einsum("hd,hld->hl", q[i].float(), keys) * scale
         lse[i] = torch.logsumexp(scores, dim=-1)
-        out[i] = torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), values)
+        out[i] = torch.einsum("hl,hld->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
     return out, lse
 
 
 def _self_check(op: DecodeAttention) -> bool:
-    """Run the kernel on random rows of several shapes against ``reference_decode_attention``."""
+    """Run the kernel on random rows of several shapes and each dtype against ``reference_decode_attention``."""
     gen = torch.Generator().manual_seed(0)
-    for heads, kv_heads, dim in ((9, 3, 64), (8, 8, 128), (6, 2, 48)):
-        kv = torch.randn(2, kv_heads, 97, dim, generator=gen)
-        lens = torch.tensor([1, 17, 40, 33])
-        slots = torch.stack([torch.randperm(97, generator=gen)[:40] for _ in range(4)])
-        q = torch.randn(4, heads, dim, generator=gen)
-        out, lse = op(q, kv, slots, lens, dim**-0.5)
-        ref_out, ref_lse = reference_decode_attention(q, kv, slots, lens, dim**-0.5)
-        if not (torch.allclose(out, ref_out, rtol=1e-4, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-4)):
-            return False
+    for dtype, (rtol, atol) in DTYPES.items():
+        for heads, kv_heads, dim in ((9, 3, 64), (8, 8, 128), (6, 2, 48)):
+            kv = torch.randn(2, kv_heads, 97, dim, generator=gen).to(dtype)
+            lens = torch.tensor([1, 17, 40, 33])
+            slots = torch.stack([torch.randperm(97, generator=gen)[:40] for _ in range(4)])
+            q = torch.randn(4, heads, dim, generator=gen).to(dtype)
+            out, lse = op(q, kv, slots, lens, dim**-0.5)
+            ref_out, ref_lse = reference_decode_attention(q, kv, slots, lens, dim**-0.5)
+            if out.dtype != dtype or lse.dtype != torch.float32:
+                return False
+            if not (torch.allclose(out.float(), ref_out.float(), rtol=rtol, atol=atol)
+                    and torch.allclose(lse, ref_lse, atol=1e-4)):  # fmt: skip
+                return False
     return True
 
 

@@ -212,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        residual = self.model.embed_tokens(input_ids)
-        rope = self.model.rope(positions)  # looked up once for all layers
+        rope = self.model.rope(positions)  # looked up once for all layers, in the activations' dtype
+        # An embedding kept in GGUF blocks unpacks its rows to float32: the residual stream is in the activations'.
+        residual = self.model.embed_tokens(input_ids).to(rope[0].dtype)
         x = None
         for layer in self.model.layers:
             x = layer(x, residual, rope, ctx)

@@ -1,51 +1,38 @@
-// Decode attention straight from the KV pool, for float32 on CPU.
+// Decode attention straight from the KV pool, for float32 and bfloat16 on CPU.
 //
 // One query token per sequence attends to that sequence's keys and values, which sit at arbitrary slots of the
 // pool. The PyTorch path gathers the keys into a padded copy, multiplies, and sums the values with embedding_bag:
 // it writes and re-reads a copy of every key. This kernel reads each key and value row once, in place: decode
 // attention is memory-bound, so that is most of its cost.
 //
-// Layouts (all float32 / int64, contiguous):
+// Layouts (contiguous; q and kv both float32 or both bfloat16, slots and lens int64):
 //   q      [B, H, D]            the decode rows' queries; query head i uses KV head i / (H / Hkv)
 //   kv     [2, Hkv, N, D]       one layer of the pool: keys, then values, head-major
 //   slots  [B, W]               each row's slots, first lens[b] valid (the rest is padding, never read)
 //   lens   [B]
-// Returns out [B, H, D] (softmax-weighted values) and lse [B, H] (log-sum-exp of the scaled scores), so a caller
-// can merge this partial result with attention over other keys (cascade attention over a shared prefix).
+// Returns out [B, H, D] in q's dtype (softmax-weighted values) and lse [B, H] float32 (log-sum-exp of the scaled
+// scores), so a caller can merge this partial result with attention over other keys (cascade attention over a
+// shared prefix). Whatever the storage dtype, every product and sum is float32 (bfloat16 is widened on load, which
+// is exact); bfloat16 halves the bytes read, and decode attention is bound by them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "../../csrc/simd.h"
 
 namespace radixserve_decode_attention {
 namespace {
 
+using bf16 = c10::BFloat16;
+
 #ifdef __AVX512F__
-// e^x for x <= 0 (scores minus their max): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial of
-// degree 7 (truncation error < 1e-8, below float32 rounding), times 2^n by scalef (exact, underflows to 0).
-inline __m512 exp_nonpositive(__m512 x) {
-  // max returns its second operand when either is NaN: a NaN score stays NaN (and poisons the row, as in PyTorch).
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using radixserve_simd::load16;
 
 // Softmax numerators in place: s[j] <- e^(s[j] - m); returns their sum.
 inline float exp_and_sum(float* s, int64_t n, float m) {
@@ -53,49 +40,96 @@ inline float exp_and_sum(float* s, int64_t n, float m) {
   __m512 acc = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    const __m512 e = radixserve_simd::exp(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
     _mm512_storeu_ps(s + j, e);
     acc = _mm512_add_ps(acc, e);
   }
   if (j < n) {
     const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
+    const __m512 e = radixserve_simd::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mv));
     _mm512_mask_storeu_ps(s + j, k, e);
     acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
   }
   return _mm512_reduce_add_ps(acc);
 }
 
+// Lane i of the result is the sum of the 16 lanes of row i of ``rows`` [16][16]: a butterfly of 15 additions of
+// half-vectors, then one permutation, about 3 instructions a row instead of a horizontal sum's ~9.
+inline __m512 hsum16(const float (*rows)[16]) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i) {  // w[i] = [row 2i: 8 partial sums | row 2i+1: 8]
+    const __m512 a = _mm512_load_ps(rows[2 * i]), b = _mm512_load_ps(rows[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i)  // x[i] = rows 4i .. 4i+3, 4 partial sums each, one 128-bit block per row
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i)  // block k of y[i]: rows 8i+k and 8i+4+k, 2 partial sums each
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
+  // block k of z: rows k, 4+k, 8+k, 12+k, summed: lane 4k + m holds row 4m + k.
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(idx, z);
+}
+
 // Rows are read in slot order, which is scattered: ask for the row PREFETCH slots ahead, every cache line of it,
 // so that its DRAM latency overlaps the work on the rows before it.
 constexpr int64_t PREFETCH = 16;
 
-template <int ND>
-inline void prefetch_row(const float* row) {
-  for (int v = 0; v < ND; ++v) _mm_prefetch(reinterpret_cast<const char*>(row + v * 16), _MM_HINT_T0);
+template <int ND, typename T>
+inline void prefetch_row(const T* row) {
+  constexpr int LINES = (ND * 16 * static_cast<int>(sizeof(T)) + 63) / 64;
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int c = 0; c < LINES; ++c) _mm_prefetch(p + c * 64, _MM_HINT_T0);
 }
 
-// One (row, KV head): G query heads of ND * 16 dims over L keys. Accumulators live in registers.
-template <int ND, int G>
-void attend_one(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t L,
+// One (row, KV head): G query heads of ND * 16 dims over L keys. Accumulators live in registers; ``out`` is
+// float32 (the caller rounds it to the storage dtype).
+template <int ND, int G, typename T>
+void attend_one(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t L,
                 float scale, float* scores, float* out, float* lse) {
   constexpr int64_t D = ND * 16;
   __m512 qv[G][ND];
   for (int g = 0; g < G; ++g)
-    for (int v = 0; v < ND; ++v) qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + v * 16), _mm512_set1_ps(scale));
+    for (int v = 0; v < ND; ++v) qv[g][v] = _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale));
+  // Scores 16 keys at a time: each key's per-lane products go to ``part``, and one butterfly (hsum16) sums 16 of
+  // them at once, instead of a horizontal reduction per (key, head).
+  alignas(64) float part[G][16][16];
+  __m512 mxv[G];
+  for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 16 <= L; j += 16) {
+    for (int jj = 0; jj < 16; ++jj) {
+      if (j + jj + PREFETCH < L) prefetch_row<ND>(keys + slots[j + jj + PREFETCH] * D);
+      const T* k = keys + slots[j + jj] * D;
+      __m512 kr[ND];
+      for (int v = 0; v < ND; ++v) kr[v] = load16(k + v * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int v = 1; v < ND; ++v) acc = _mm512_fmadd_ps(qv[g][v], kr[v], acc);
+        _mm512_store_ps(part[g][jj], acc);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 sv = hsum16(part[g]);
+      _mm512_storeu_ps(scores + g * L + j, sv);
+      mxv[g] = _mm512_max_ps(mxv[g], sv);
+    }
+  }
   float mx[G];
-  for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < L; ++j) {
-    if (j + PREFETCH < L) prefetch_row<ND>(keys + slots[j + PREFETCH] * D);
-    const float* k = keys + slots[j] * D;
+  for (int g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(mxv[g]);
+  for (; j < L; ++j) {
+    const T* k = keys + slots[j] * D;
     __m512 kr[ND];
-    for (int v = 0; v < ND; ++v) kr[v] = _mm512_loadu_ps(k + v * 16);
+    for (int v = 0; v < ND; ++v) kr[v] = load16(k + v * 16);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
       for (int v = 1; v < ND; ++v) acc = _mm512_fmadd_ps(qv[g][v], kr[v], acc);
-      const float s = _mm512_reduce_add_ps(acc);
-      scores[g * L + j] = s;
-      mx[g] = s > mx[g] ? s : mx[g];
+      const float sc = _mm512_reduce_add_ps(acc);
+      scores[g * L + j] = sc;
+      mx[g] = sc > mx[g] ? sc : mx[g];
     }
   }
   float inv[G];
@@ -109,9 +143,9 @@ void attend_one(const float* q, const float* keys, const float* values, const in
     for (int v = 0; v < ND; ++v) acc[g][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     if (j + PREFETCH < L) prefetch_row<ND>(values + slots[j + PREFETCH] * D);
-    const float* vrow = values + slots[j] * D;
+    const T* vrow = values + slots[j] * D;
     __m512 vr[ND];
-    for (int v = 0; v < ND; ++v) vr[v] = _mm512_loadu_ps(vrow + v * 16);
+    for (int v = 0; v < ND; ++v) vr[v] = load16(vrow + v * 16);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[g * L + j]);
       for (int v = 0; v < ND; ++v) acc[g][v] = _mm512_fmadd_ps(p, vr[v], acc[g][v]);
@@ -122,42 +156,44 @@ void attend_one(const float* q, const float* keys, const float* values, const in
       _mm512_storeu_ps(out + g * D + v * 16, _mm512_mul_ps(acc[g][v], _mm512_set1_ps(inv[g])));
 }
 
-using Kernel = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, float, float*, float*,
-                        float*);
+template <typename T>
+using Kernel = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, float, float*, float*, float*);
 
-template <int ND>
-Kernel pick_g(int64_t G) {
+template <int ND, typename T>
+Kernel<T> pick_g(int64_t G) {
   switch (G) {
-    case 1: return attend_one<ND, 1>;
-    case 2: return attend_one<ND, 2>;
-    case 3: return attend_one<ND, 3>;
-    case 4: return attend_one<ND, 4>;
-    case 5: return attend_one<ND, 5>;
-    case 6: return attend_one<ND, 6>;
-    case 7: return attend_one<ND, 7>;
-    case 8: return attend_one<ND, 8>;
+    case 1: return attend_one<ND, 1, T>;
+    case 2: return attend_one<ND, 2, T>;
+    case 3: return attend_one<ND, 3, T>;
+    case 4: return attend_one<ND, 4, T>;
+    case 5: return attend_one<ND, 5, T>;
+    case 6: return attend_one<ND, 6, T>;
+    case 7: return attend_one<ND, 7, T>;
+    case 8: return attend_one<ND, 8, T>;
     default: return nullptr;
   }
 }
 
-Kernel pick(int64_t D, int64_t G) {
-  if (D == 64) return pick_g<4>(G);
-  if (D == 128) return pick_g<8>(G);
+template <typename T>
+Kernel<T> pick(int64_t D, int64_t G) {
+  if (D == 64) return pick_g<4, T>(G);
+  if (D == 128) return pick_g<8, T>(G);
   return nullptr;
 }
 #endif
 
 // Any head size and group size, without SIMD intrinsics: the compiler vectorizes what it can.
-void attend_generic(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t L,
+template <typename T>
+void attend_generic(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t L,
                     int64_t G, int64_t D, float scale, float* scores, float* out, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
+    const T* qg = q + g * D;
     float* sg = scores + g * L;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < L; ++j) {
-      const float* k = keys + slots[j] * D;
+      const T* k = keys + slots[j] * D;
       float acc = 0.0f;
-      for (int64_t d = 0; d < D; ++d) acc += qg[d] * k[d];
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(qg[d]) * static_cast<float>(k[d]);
       sg[j] = acc * scale;
       mx = sg[j] > mx ? sg[j] : mx;
     }
@@ -170,11 +206,61 @@ void attend_generic(const float* q, const float* keys, const float* values, cons
     float* og = out + g * D;
     for (int64_t d = 0; d < D; ++d) og[d] = 0.0f;
     for (int64_t j = 0; j < L; ++j) {
-      const float* v = values + slots[j] * D;
+      const T* v = values + slots[j] * D;
       const float p = sg[j] / sum;
-      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+      for (int64_t d = 0; d < D; ++d) og[d] += p * static_cast<float>(v[d]);
     }
   }
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& slots, const torch::Tensor& lens,
+         float sc, torch::Tensor& out, torch::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(1);
+  const int64_t G = H / Hkv;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kv.data_ptr<T>();
+  const T* vp = kp + Hkv * N * D;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  float* lsep = lse.data_ptr<float>();
+#ifdef __AVX512F__
+  const Kernel<T> fast = pick<T>(D, G);
+#endif
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(static_cast<size_t>(G * D));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t L = lp[b];
+      const T* qb = qp + (b * H + h * G) * D;
+      T* ob = op + (b * H + h * G) * D;
+      float* lb = lsep + b * H + h * G;
+      if (L == 0) {
+        for (int64_t i = 0; i < G * D; ++i) ob[i] = T(0.0f);
+        for (int64_t g = 0; g < G; ++g) lb[g] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      scores.resize(static_cast<size_t>(G * L));
+      const T* keys = kp + h * N * D;
+      const T* values = vp + h * N * D;
+      // float32 output is written in place; a narrower one goes through the float32 buffer, rounded once.
+      float* ofl = std::is_same_v<T, float> ? reinterpret_cast<float*>(ob) : acc.data();
+#ifdef __AVX512F__
+      if (fast != nullptr) {
+        fast(qb, keys, values, sp + b * W, L, sc, scores.data(), ofl, lb);
+      } else
+#endif
+      {
+        attend_generic<T>(qb, keys, values, sp + b * W, L, G, D, sc, scores.data(), ofl, lb);
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t i = 0; i < G * D; ++i) ob[i] = T(ofl[i]);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -182,7 +268,9 @@ void attend_generic(const float* q, const float* keys, const float* values, cons
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor lens,
                                             double scale) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && slots.dim() == 2 && lens.dim() == 1, "decode_attention: bad ranks");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv.scalar_type() == torch::kFloat32, "decode_attention: float32");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && kv.scalar_type() == dtype,
+              "decode_attention: q and kv both float32 or both bfloat16");
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && lens.scalar_type() == torch::kInt64, "decode_attention: int64");
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && slots.is_contiguous() && lens.is_contiguous(),
               "decode_attention: contiguous inputs");
@@ -190,12 +278,6 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
   const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(1);
   TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "decode_attention: shapes disagree");
   TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "decode_attention: one slot row and length per query");
-  const int64_t G = H / Hkv;
-  auto out = torch::empty({B, H, D}, q.options());
-  auto lse = torch::empty({B, H}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv.data_ptr<float>();
-  const float* vp = kp + Hkv * N * D;
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -204,37 +286,14 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
     for (int64_t j = 0; j < lp[b]; ++j) ok &= sp[b * W + j] >= 0 && sp[b * W + j] < N;
     TORCH_CHECK(ok, "decode_attention: slot out of range");  // a bad slot must not read outside the pool
   }
-  float* op = out.data_ptr<float>();
-  float* lsep = lse.data_ptr<float>();
+  auto out = torch::empty({B, H, D}, q.options());
+  auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
   const float sc = static_cast<float>(scale);
-#ifdef __AVX512F__
-  const Kernel fast = pick(D, G);
-#endif
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t L = lp[b];
-      const float* qb = qp + (b * H + h * G) * D;
-      float* ob = op + (b * H + h * G) * D;
-      float* lb = lsep + b * H + h * G;
-      if (L == 0) {
-        for (int64_t i = 0; i < G * D; ++i) ob[i] = 0.0f;
-        for (int64_t g = 0; g < G; ++g) lb[g] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      scores.resize(static_cast<size_t>(G * L));
-      const float* keys = kp + h * N * D;
-      const float* values = vp + h * N * D;
-#ifdef __AVX512F__
-      if (fast != nullptr) {
-        fast(qb, keys, values, sp + b * W, L, sc, scores.data(), ob, lb);
-        continue;
-      }
-#endif
-      attend_generic(qb, keys, values, sp + b * W, L, G, D, sc, scores.data(), ob, lb);
-    }
-  });
+  if (dtype == torch::kFloat32) {
+    run<float>(q, kv, slots, lens, sc, out, lse);
+  } else {
+    run<bf16>(q, kv, slots, lens, sc, out, lse);
+  }
   return {out, lse};
 }
 
@@ -243,6 +302,6 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
 void register_decode_attention(pybind11::module_& parent) {
   auto m = parent.def_submodule("decode_attention");
   // Released like torch's own ops release it, so Python threads (the server's event loop) run meanwhile.
-  m.def("decode_attention", &radixserve_decode_attention::decode_attention, "decode attention over pool slots (float32, CPU)",
+  m.def("decode_attention", &radixserve_decode_attention::decode_attention, "decode attention over pool slots (float32 or bfloat16, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,4 +1,4 @@
-// The small per-layer operations of a decoder layer, fused, for float32 on CPU.
+// The small per-layer operations of a decoder layer, fused, for float32 and bfloat16 on CPU.
 //
 // At a few tokens per step the linear layers are quick, and what remains is a chain of small PyTorch ops per layer
 // (RMSNorm alone is five, RoPE six), each paying dispatch and, on several threads, an OpenMP wake-up. Here each is
@@ -7,115 +7,234 @@
 //   add_rms_norm(x [T, H], residual [T, H], w, eps)     -> residual += x (in place); y = rms_norm(residual)
 //   rope(qk [T, NH, D] (rows strided), cos, signed_sin) -> rotate-half RoPE in place: q*cos + swap_halves(q)*sin
 //   silu_mul(gate_up [T, 2I])                           -> silu(gate) * up, [T, I]
-// cos / signed_sin are [T, D] rows (signed_sin has its first half negated: see runtime/models/rope.py).
+// cos / signed_sin are [T, D] rows (signed_sin has its first half negated: see runtime/models/rope.py), in qk's dtype.
+// In bfloat16 the arithmetic is float32 and each result is rounded where PyTorch's own ops round it: RMSNorm rounds
+// the normalized row, then the product with the weight (HF's order); the residual add rounds its sum; RoPE and
+// SiLU-and-mul round once at the end (PyTorch rounds each intermediate op too, so they agree within one bf16 step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <type_traits>
+
+#include "../../csrc/simd.h"
 
 namespace radixserve_fused_ops {
 namespace {
 
+using bf16 = c10::BFloat16;
+
 // Rows per thread below which a loop stays on the calling thread.
 constexpr int64_t GRAIN = 16;
 
-void check_f32(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.device().is_cpu(), what, ": float32 on CPU");
+void check(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu(),
+              what, ": float32 or bfloat16 on CPU");
 }
 
-inline void norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
-  double ss = 0.0;  // double: the same sum of squares whatever H, as the float32 reference within rounding
-  for (int64_t i = 0; i < H; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float inv = 1.0f / std::sqrt(static_cast<float>(ss / H) + eps);
-  for (int64_t i = 0; i < H; ++i) y[i] = x[i] * inv * w[i];
+void check_same(const torch::Tensor& a, const torch::Tensor& b, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), what, ": tensors of one dtype");
 }
 
-}  // namespace
+inline float f32(float v) { return v; }
+inline float f32(bf16 v) { return static_cast<float>(v); }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_f32(x, "rms_norm x");
-  check_f32(w, "rms_norm w");
-  x = x.contiguous();
-  const int64_t H = x.size(-1), T = x.numel() / H;
-  TORCH_CHECK(w.numel() == H, "rms_norm: weight size");
-  auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.contiguous().data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, GRAIN, [&](int64_t a, int64_t b) {
-    for (int64_t t = a; t < b; ++t) norm_row(xp + t * H, wp, e, H, yp + t * H);
+// y = rms_norm(x) * w. float32: one rounding; bfloat16: HF's w * (x / rms(x)).to(bf16), two.
+template <typename T>
+inline void norm_row(const T* x, const T* w, float eps, int64_t H, T* y) {
+#ifdef __AVX512F__
+  using namespace radixserve_simd;
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= H; i += 32) {
+    const __m512 a = load16(x + i), b = load16(x + i + 16);
+    s0 = _mm512_fmadd_ps(a, a, s0);
+    s1 = _mm512_fmadd_ps(b, b, s1);
+  }
+  for (; i < H; i += 16) {
+    const int n = H - i < 16 ? static_cast<int>(H - i) : 16;
+    const __m512 a = load_n(x + i, n);
+    s0 = _mm512_fmadd_ps(a, a, s0);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) / static_cast<float>(H) + eps);
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (i = 0; i < H; i += 16) {
+    const int n = H - i < 16 ? static_cast<int>(H - i) : 16;
+    const __m512 normed = round_as(_mm512_mul_ps(load_n(x + i, n), iv), x);
+    store_n(y + i, _mm512_mul_ps(normed, load_n(w + i, n)), n);
+  }
+#else
+  float ss = 0.0f;
+  for (int64_t i = 0; i < H; ++i) ss += f32(x[i]) * f32(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) y[i] = T(f32(T(f32(x[i]) * inv)) * f32(w[i]));
+#endif
+}
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, float eps, torch::Tensor& y) {
+  const int64_t H = x.size(-1), T_ = x.numel() / H;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, T_, GRAIN, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) norm_row(xp + t * H, wp, eps, H, yp + t * H);
   });
-  return y;
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
-  check_f32(x, "add_rms_norm x");
-  check_f32(residual, "add_rms_norm residual");
-  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: residual [T, H] contiguous");
-  x = x.contiguous();
-  const int64_t H = x.size(-1), T = x.numel() / H;
-  TORCH_CHECK(w.numel() == H, "add_rms_norm: weight size");
-  auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = w.contiguous().data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, T, GRAIN, [&](int64_t a, int64_t b) {
+template <typename T>
+void add_rms_norm_impl(const torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w, float eps,
+                       torch::Tensor& y) {
+  const int64_t H = x.size(-1), T_ = x.numel() / H;
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, T_, GRAIN, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
-      float* r = rp + t * H;
-      const float* xr = xp + t * H;
-      for (int64_t i = 0; i < H; ++i) r[i] += xr[i];
-      norm_row(r, wp, e, H, yp + t * H);
+      T* r = rp + t * H;
+      const T* xr = xp + t * H;
+#ifdef __AVX512F__
+      for (int64_t i = 0; i < H; i += 16) {
+        const int n = H - i < 16 ? static_cast<int>(H - i) : 16;
+        radixserve_simd::store_n(r + i, _mm512_add_ps(radixserve_simd::load_n(r + i, n),
+                                                      radixserve_simd::load_n(xr + i, n)), n);
+      }
+#else
+      for (int64_t i = 0; i < H; ++i) r[i] = T(f32(r[i]) + f32(xr[i]));
+#endif
+      norm_row(r, wp, eps, H, yp + t * H);
     }
   });
-  return y;
 }
 
-void rope(torch::Tensor qk, torch::Tensor cos, torch::Tensor signed_sin) {
-  check_f32(qk, "rope qk");
-  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rope: qk [T, NH, D], rows strided");
-  const int64_t T = qk.size(0), NH = qk.size(1), D = qk.size(2), half = D / 2, row = qk.stride(0);
-  cos = cos.contiguous();
-  signed_sin = signed_sin.contiguous();
-  TORCH_CHECK(cos.numel() == T * D && signed_sin.numel() == T * D, "rope: cos / sin [T, D]");
-  float* p = qk.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* s = signed_sin.data_ptr<float>();
-  at::parallel_for(0, T, GRAIN, [&](int64_t a, int64_t b) {
+template <typename T>
+void rope_impl(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& signed_sin) {
+  const int64_t T_ = qk.size(0), NH = qk.size(1), D = qk.size(2), half = D / 2, row = qk.stride(0);
+  T* p = qk.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = signed_sin.data_ptr<T>();
+  at::parallel_for(0, T_, GRAIN, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
-      const float* ct = c + t * D;
-      const float* st = s + t * D;
+      const T* ct = c + t * D;
+      const T* st = s + t * D;
       for (int64_t h = 0; h < NH; ++h) {
-        float* x = p + t * row + h * D;
+        T* x = p + t * row + h * D;
+#ifdef __AVX512F__
+        using namespace radixserve_simd;
+        for (int64_t i = 0; i < half; i += 16) {
+          const int n = half - i < 16 ? static_cast<int>(half - i) : 16;
+          const __m512 lo = load_n(x + i, n), hi = load_n(x + i + half, n);
+          const __m512 c0 = load_n(ct + i, n), c1 = load_n(ct + i + half, n);
+          const __m512 s0 = load_n(st + i, n), s1 = load_n(st + i + half, n);
+          store_n(x + i, _mm512_fmadd_ps(lo, c0, _mm512_mul_ps(hi, s0)), n);
+          store_n(x + i + half, _mm512_fmadd_ps(hi, c1, _mm512_mul_ps(lo, s1)), n);
+        }
+        continue;
+#endif
         for (int64_t i = 0; i < half; ++i) {
-          const float lo = x[i], hi = x[i + half];
-          x[i] = lo * ct[i] + hi * st[i];             // x * cos + swap_halves(x) * signed_sin, first half
-          x[i + half] = hi * ct[i + half] + lo * st[i + half];
+          const float lo = f32(x[i]), hi = f32(x[i + half]);
+          x[i] = T(lo * f32(ct[i]) + hi * f32(st[i]));  // x * cos + swap_halves(x) * signed_sin, first half
+          x[i + half] = T(hi * f32(ct[i + half]) + lo * f32(st[i + half]));
         }
       }
     }
   });
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32(gate_up, "silu_mul");
-  gate_up = gate_up.contiguous();
-  const int64_t I2 = gate_up.size(-1), I = I2 / 2, T = gate_up.numel() / I2;
-  auto sizes = gate_up.sizes().vec();
-  sizes.back() = I;
-  auto out = torch::empty(sizes, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, T, GRAIN, [&](int64_t a, int64_t b) {
+template <typename T>
+void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t I2 = gate_up.size(-1), I = I2 / 2, T_ = gate_up.numel() / I2;
+  const T* g = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, T_, GRAIN, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
-      const float* gr = g + t * I2;
-      const float* ur = gr + I;
-      float* orow = o + t * I;
-      for (int64_t i = 0; i < I; ++i) orow[i] = gr[i] / (1.0f + std::exp(-gr[i])) * ur[i];
+      const T* gr = g + t * I2;
+      const T* ur = gr + I;
+      T* orow = o + t * I;
+#ifdef __AVX512F__
+      using namespace radixserve_simd;
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (int64_t i = 0; i < I; i += 16) {
+        const int n = I - i < 16 ? static_cast<int>(I - i) : 16;
+        const __m512 gv = load_n(gr + i, n);
+        const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, radixserve_simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store_n(orow + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load_n(ur + i, n)), n);
+      }
+      continue;
+#endif
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = f32(gr[i]);
+        orow[i] = T(gv / (1.0f + std::exp(-gv)) * f32(ur[i]));
+      }
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check(x, "rms_norm x");
+  check_same(x, w, "rms_norm");
+  x = x.contiguous();
+  w = w.contiguous();
+  TORCH_CHECK(w.numel() == x.size(-1), "rms_norm: weight size");
+  auto y = torch::empty_like(x);
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_norm_impl<float>(x, w, e, y);
+  } else {
+    rms_norm_impl<bf16>(x, w, e, y);
+  }
+  return y;
+}
+
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check(x, "add_rms_norm x");
+  check_same(x, residual, "add_rms_norm");
+  check_same(x, w, "add_rms_norm");
+  TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: residual [T, H] contiguous");
+  x = x.contiguous();
+  w = w.contiguous();
+  TORCH_CHECK(w.numel() == x.size(-1), "add_rms_norm: weight size");
+  auto y = torch::empty_like(x);
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat32) {
+    add_rms_norm_impl<float>(x, residual, w, e, y);
+  } else {
+    add_rms_norm_impl<bf16>(x, residual, w, e, y);
+  }
+  return y;
+}
+
+void rope(torch::Tensor qk, torch::Tensor cos, torch::Tensor signed_sin) {
+  check(qk, "rope qk");
+  check_same(qk, cos, "rope");
+  check_same(qk, signed_sin, "rope");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "rope: qk [T, NH, D], rows strided");
+  const int64_t T = qk.size(0), D = qk.size(2);
+  cos = cos.contiguous();
+  signed_sin = signed_sin.contiguous();
+  TORCH_CHECK(cos.numel() == T * D && signed_sin.numel() == T * D, "rope: cos / sin [T, D]");
+  if (qk.scalar_type() == torch::kFloat32) {
+    rope_impl<float>(qk, cos, signed_sin);
+  } else {
+    rope_impl<bf16>(qk, cos, signed_sin);
+  }
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check(gate_up, "silu_mul");
+  gate_up = gate_up.contiguous();
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = gate_up.size(-1) / 2;
+  auto out = torch::empty(sizes, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_mul_impl<float>(gate_up, out);
+  } else {
+    silu_mul_impl<bf16>(gate_up, out);
+  }
   return out;
 }
 
