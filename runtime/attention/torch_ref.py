@@ -11,7 +11,8 @@ already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` r
 ``embedding_bag`` sums the values weighted by the probabilities straight from the pool. On CPU in float32 the
 compiled kernel of ``cpu_kernels`` does a decode row's whole attention reading the pool in place instead, in
 float32 and bfloat16 (opt in with ``cpu_kernels=True``; the engine does for CPU models); the PyTorch ops stay the
-reference.
+reference. The kernel attends each grouped row over its whole row (shared prefix put back in front, see
+``_full_rows``): reading the prefix in place from cache beat the cascade's gather and merges on CPU.
 """
 
 from __future__ import annotations
