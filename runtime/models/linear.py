@@ -71,13 +71,20 @@ def _bf16_kernel():  # noqa: ANN202 - the compiled function or None
     return op
 
 
-def _bf16_rows_kernel(x: torch.Tensor, w: torch.Tensor):  # noqa: ANN202
-    """The kernel when it applies to ``x @ w^T``: few rows, bfloat16, K % 32 and N % 16 (its blocking)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > BF16_KERNEL_MAX_ROWS or x.device.type != "cpu":
+def _bf16_weight_kernel(w: torch.Tensor):  # noqa: ANN202
+    """The small-row kernel when it applies to this weight: bfloat16 on CPU, K % 32 and N % 16 (its blocking)."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
         return None
     if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
         return None
     return _bf16_kernel()
+
+
+def _bf16_rows_kernel(x: torch.Tensor, w: torch.Tensor):  # noqa: ANN202
+    """The kernel when it applies to ``x @ w^T``: a few bfloat16 rows and a weight it takes."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > BF16_KERNEL_MAX_ROWS:
+        return None
+    return _bf16_weight_kernel(w)
 
 
 # Dtypes the packed path may serve, with the tolerance of its check against ``F.linear``.
@@ -138,6 +145,8 @@ class Linear(_Quantizable, nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
+    _small: object | None = None  # the small-row bfloat16 kernel for this weight, or None (see forward)
+    _small_key: int | None = None  # data_ptr of the weight ``_small`` was decided for
 
     def reset_parameters(self) -> None:
         """No random initialization: the weights always come from a checkpoint (and on the meta device the
@@ -170,10 +179,15 @@ class Linear(_Quantizable, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
-        if not torch.is_grad_enabled():
-            small = _bf16_rows_kernel(x, self.weight)
-            if small is not None:
-                return small(x.contiguous(), self.weight, self.bias if self.bias is not None else _NO_BIAS)
+        w = self.weight
+        # One user decoding: the bfloat16 small-row kernel. What it needs of the weight is checked once per weight
+        # (a decode step makes ~120 of these calls; each check is a few microseconds of Python).
+        if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_KERNEL_MAX_ROWS and x.dim() == 2:
+            key = w.data_ptr()
+            if key != self._small_key:
+                self._small, self._small_key = _bf16_weight_kernel(w), key
+            if self._small is not None and not torch.is_grad_enabled():
+                return self._small(x.contiguous(), w, self.bias if self.bias is not None else _NO_BIAS)
         packed = self.pack() if self._eligible() else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)
