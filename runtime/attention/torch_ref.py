@@ -69,8 +69,8 @@ def _full_rows(
     The compiled kernel reads a row's keys in place, so a shared prefix costs it no gather; read by the rows of a
     group one after another, the prefix comes from cache after the first (1,300 tokens of SmolLM2's K and V are
     ~1 MB a layer in bfloat16). Attending to whole rows in one kernel call beat the cascade's per-layer chain of
-    gather, small matmuls and log-sum-exp merges 3-5x on the 2-core Xeon (48 requests sharing a 1,300-token prompt,
-    16 at a time, bfloat16). Padding past a row's length is slot 0 and never read."""
+    gather, small matmuls and log-sum-exp merges on the 2-core Xeon with AMX (48 requests sharing a 1,300-token
+    prompt, 16 at a time, bfloat16: 79 -> 57 ms a decode step). Padding past a row's length is slot 0, never read."""
     if not groups:
         return slots, lens
     b, width = slots.shape

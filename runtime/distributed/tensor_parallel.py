@@ -40,7 +40,7 @@ from radixserve.runtime.distributed.group import (
 )
 from radixserve.runtime.distributed.shard import check_shardable, shard_model
 from radixserve.runtime.kv_pool import KVPool
-from radixserve.runtime.loader import LoadedModel, load_model, resolve_device
+from radixserve.runtime.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.runtime.model_source import model_folder
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.weights import load_hf_config
@@ -131,10 +131,15 @@ class TensorParallelModel:
 def start_leader(config: EngineConfig) -> tuple[LoadedModel, Groups, list[Any], int]:
     """Rank 0: spawn this node's workers, join the group, load and shard the model. The caller sizes the KV pool
     and calls ``finish_start``."""
-    check_shardable(ModelArgs.from_hf_config(load_hf_config(model_folder(config))), config.tp)
+    hf_config = load_hf_config(model_folder(config))
+    check_shardable(ModelArgs.from_hf_config(hf_config), config.tp)
     init_addr = config.dist_init_addr or _free_addr()
     layout = RankLayout(rank=0, world=config.tp, nnodes=config.nnodes)
     device = device_for(resolve_device(config.device), 0)
+    # Every rank must compute in one dtype (a collective over tensors of two dtypes aborts the process): `auto` is
+    # resolved once, here, and the workers get the result instead of reading their own CPU's flags.
+    dtype = resolve_dtype(config.dtype, device, hf_config)
+    config = replace(config, dtype=str(dtype).removeprefix("torch."))
     logger.info("tensor parallel: %d ranks on %d node(s), process group at %s", config.tp, config.nnodes, init_addr)
     procs = _spawn(config, range(1, layout.per_node), init_addr)
     threads = torch.get_num_threads()
