@@ -56,6 +56,26 @@ def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
     assert torch.equal(quant.embedding(ids, blocks), torch.from_numpy(dense)[ids])
 
 
+@pytest.mark.parametrize("slice_bytes", [quant.UNPACK_SLICE_BYTES, 4096])
+@torch.inference_mode()
+def test_a_bfloat16_prefill_step_unpacks_the_blocks_for_the_gemm(
+    slice_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From BF16_UNPACK_FROM_ROWS rows a bfloat16 product unpacks the blocks (slice by slice of output channels
+    when the slice is smaller than the matrix) and is the dequantized matmul to bfloat16 rounding, bias included;
+    fewer rows keep the block kernel."""
+    monkeypatch.setattr(quant, "UNPACK_SLICE_BYTES", slice_bytes)
+    gen = torch.Generator().manual_seed(3)
+    w = quantize_q4_1(torch.randn(200, 128, generator=gen))
+    bias = torch.randn(200, generator=gen).to(torch.bfloat16)
+    for rows in (quant.BF16_UNPACK_FROM_ROWS - 1, quant.BF16_UNPACK_FROM_ROWS, 300):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), reference_dequantize(w), bias.float())
+        got = quant.linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+        assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
 def test_the_compiled_kernels_build_and_pass_their_check() -> None:
     """The kernels are what makes quantized serving fast: on this machine they must build (a C++ compiler is
     part of the set-up) and agree with the PyTorch definition."""
