@@ -2,9 +2,10 @@
 
 The compiled versions run for float32 and bfloat16 tensors on CPU once they pass a check against the definitions
 in that dtype; anything else (CUDA, float16, no compiler, ``RADIXSERVE_CPU_KERNELS=0``) runs the PyTorch code here,
-which is the reference the kernels are tested against. In bfloat16 a kernel rounds where the definition does for
-RMSNorm and the residual add (the same bits, checked) and once per result for RoPE and SiLU-and-mul, where PyTorch
-rounds every intermediate op as well: there they agree within one bfloat16 step.
+which is the reference the kernels are tested against. In bfloat16 a kernel rounds where the definition does: the
+residual add gives the same bits (checked), RMSNorm the same but for a few elements one bfloat16 step apart (its
+float32 sum of squares goes in another order). RoPE and SiLU-and-mul round once per result where PyTorch rounds
+every intermediate op as well: there they agree within one bfloat16 step.
 """
 
 from __future__ import annotations
