@@ -193,7 +193,7 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
 
 def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
     from radixserve.runtime.cpu_features import native_bf16
-    from radixserve.runtime.models.linear import Linear, _bf16_rows_kernel, onednn_usable
+    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable
 
     torch.manual_seed(0)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16)
@@ -203,7 +203,7 @@ def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear
         packed = layer.pack()
         assert (packed is not None) == (bool(native_bf16()) and onednn_usable(torch.bfloat16))
         # One to three rows take the AVX-512 BF16 kernel where the CPU has the instructions, more take oneDNN.
-        assert (_bf16_rows_kernel(torch.zeros(1, 576, dtype=torch.bfloat16), layer.weight) is not None) == (
+        assert (_bf16_weight_kernel(layer.weight) is not None) == (
             "avx512_bf16" in native_bf16()
         )
         for rows in (1, 3, 8, 300):

@@ -1,4 +1,5 @@
-// AVX-512 helpers shared by the CPU kernels: float32 / bfloat16 loads and stores of 16 lanes, and e^x.
+// AVX-512 helpers shared by the CPU kernels: float32 / bfloat16 loads and stores of 16 lanes, e^x, and the sums of
+// 16 vectors' lanes at once.
 // Every kernel keeps a scalar path for CPUs without AVX-512; these exist only under __AVX512F__.
 #pragma once
 
@@ -64,6 +65,25 @@ inline __m512 exp(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Lane i of the result is the sum of the 16 lanes of v[i]: a butterfly of 15 additions of half-vectors, then one
+// permutation, about 3 instructions a vector instead of a horizontal sum's ~9.
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i)  // w[i] = [v[2i]: 8 partial sums | v[2i+1]: 8]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  __m512 x[4];
+  for (int i = 0; i < 4; ++i)  // x[i] = v[4i .. 4i+3], 4 partial sums each, one 128-bit block per vector
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  __m512 y[2];
+  for (int i = 0; i < 2; ++i)  // block k of y[i]: v[8i+k] and v[8i+4+k], 2 partial sums each
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
+  // block k of z: v[k], v[4+k], v[8+k], v[12+k], summed: lane 4k + m holds v[4m + k].
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
 }  // namespace radixserve_simd

@@ -80,12 +80,6 @@ def _bf16_weight_kernel(w: torch.Tensor):  # noqa: ANN202
     return _bf16_kernel()
 
 
-def _bf16_rows_kernel(x: torch.Tensor, w: torch.Tensor):  # noqa: ANN202
-    """The kernel when it applies to ``x @ w^T``: a few bfloat16 rows and a weight it takes."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > BF16_KERNEL_MAX_ROWS:
-        return None
-    return _bf16_weight_kernel(w)
-
 
 # Dtypes the packed path may serve, with the tolerance of its check against ``F.linear``.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

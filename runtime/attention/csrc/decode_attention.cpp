@@ -53,27 +53,6 @@ inline float exp_and_sum(float* s, int64_t n, float m) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// Lane i of the result is the sum of the 16 lanes of row i of ``rows`` [16][16]: a butterfly of 15 additions of
-// half-vectors, then one permutation, about 3 instructions a row instead of a horizontal sum's ~9.
-inline __m512 hsum16(const float (*rows)[16]) {
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i) {  // w[i] = [row 2i: 8 partial sums | row 2i+1: 8]
-    const __m512 a = _mm512_load_ps(rows[2 * i]), b = _mm512_load_ps(rows[2 * i + 1]);
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  __m512 x[4];
-  for (int i = 0; i < 4; ++i)  // x[i] = rows 4i .. 4i+3, 4 partial sums each, one 128-bit block per row
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  __m512 y[2];
-  for (int i = 0; i < 2; ++i)  // block k of y[i]: rows 8i+k and 8i+4+k, 2 partial sums each
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
-  // block k of z: rows k, 4+k, 8+k, 12+k, summed: lane 4k + m holds row 4m + k.
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(idx, z);
-}
-
 // Rows are read in slot order, which is scattered: ask for the row PREFETCH slots ahead, every cache line of it,
 // so that its DRAM latency overlaps the work on the rows before it.
 constexpr int64_t PREFETCH = 16;
@@ -94,9 +73,9 @@ void attend_one(const T* q, const T* keys, const T* values, const int64_t* slots
   __m512 qv[G][ND];
   for (int g = 0; g < G; ++g)
     for (int v = 0; v < ND; ++v) qv[g][v] = _mm512_mul_ps(load16(q + g * D + v * 16), _mm512_set1_ps(scale));
-  // Scores 16 keys at a time: each key's per-lane products go to ``part``, and one butterfly (hsum16) sums 16 of
-  // them at once, instead of a horizontal reduction per (key, head).
-  alignas(64) float part[G][16][16];
+  // Scores 16 keys at a time: each key's per-lane products stay in ``part``, and one butterfly (hsum16) sums 16
+  // of them at once, instead of a horizontal reduction per (key, head).
+  __m512 part[G][16];
   __m512 mxv[G];
   for (int g = 0; g < G; ++g) mxv[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
@@ -109,11 +88,11 @@ void attend_one(const T* q, const T* keys, const T* values, const int64_t* slots
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], kr[0]);
         for (int v = 1; v < ND; ++v) acc = _mm512_fmadd_ps(qv[g][v], kr[v], acc);
-        _mm512_store_ps(part[g][jj], acc);
+        part[g][jj] = acc;
       }
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 sv = hsum16(part[g]);
+      const __m512 sv = radixserve_simd::hsum16(part[g]);
       _mm512_storeu_ps(scores + g * L + j, sv);
       mxv[g] = _mm512_max_ps(mxv[g], sv);
     }

@@ -20,23 +20,6 @@ namespace radixserve_bf16_linear {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
-// Lane i = sum of the 16 lanes of v[i] (the same butterfly as decode attention's, over registers).
-inline __m512 hsum16(const __m512* v) {
-  __m512 w[8];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  __m512 x[4];
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  __m512 y[2];
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
-}
-
 inline __m512bh load32(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 }  // namespace
@@ -75,7 +58,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
           const __m512bh xv = load32(xm + k);
           for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], xv, load32(wb + j * K + k));
         }
-        radixserve_simd::store16(yp + m * N + blk * 16, _mm512_add_ps(hsum16(acc), bv));
+        radixserve_simd::store16(yp + m * N + blk * 16, _mm512_add_ps(radixserve_simd::hsum16(acc), bv));
       }
     }
   });
