@@ -21,8 +21,8 @@ from radixserve.constrained.tokenizer import TokenizerInfo
 
 
 def _serving_only(spec: ConstraintSpec, backend: str) -> None:
-    if spec.kind == "tool_or_answer":  # a chat-serving constraint; these backends are for measurement
-        raise GrammarError(f"{backend} does not build tool_or_answer grammars; use llguidance", kind="unsupported")
+    if spec.kind in ("tool_or_answer", "reasoning"):  # chat-serving constraints; these backends are for measurement
+        raise GrammarError(f"{backend} does not build {spec.kind} grammars; use llguidance", kind="unsupported")
 
 
 class XGrammarMatcher:

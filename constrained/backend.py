@@ -35,6 +35,7 @@ import llguidance
 import torch
 
 from radixserve.constrained import json_schema
+from radixserve.constrained.reasoning_grammar import answer_spec, reasoning_grammar
 from radixserve.constrained.spec import ConstraintSpec, GrammarError, pointer_join, tool_or_answer_parts
 from radixserve.constrained.tokenizer import TokenizerInfo
 from radixserve.constrained.tool_grammar import tool_or_answer_lark, under
@@ -252,6 +253,10 @@ class LLGuidanceBackend:
                 return llguidance.LLMatcher.grammar_from_lark(lark)
             except ValueError as exc:
                 raise self._blame(spec, self.limits) or _error(spec, str(exc)) from None
+        if spec.kind == "reasoning":
+            inner = spec.value["inner"]
+            answer = self.grammar_text(inner, reshape=reshape) if inner is not None else None
+            return reasoning_grammar(spec.value, answer)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":
@@ -280,10 +285,10 @@ class LLGuidanceBackend:
         grammar = self.grammar_text(spec)
         problem = llguidance.LLMatcher.validate_grammar(grammar)  # no lexer built: ~1 ms
         if problem:
-            error = _error(spec, problem)
+            error = _error(answer_spec(spec), problem)
             # A union's error is traced to its failing part by the full compile (``_blame``), as without a queue.
             final = error.kind in ("invalid", "unsupported") and not _RECURSION.search(problem)
-            if final and spec.kind != "tool_or_answer":
+            if final and answer_spec(spec).kind != "tool_or_answer":
                 raise error
             return False, grammar  # a size or recursion problem: the full compile (and its reshaping) decides
         try:
@@ -295,12 +300,13 @@ class LLGuidanceBackend:
     def _compile(self, spec: ConstraintSpec, limits: llguidance.LLParserLimits, grammar: str = "") -> LLGuidanceGrammar:
         matcher = self._matcher(grammar or self.grammar_text(spec), limits)
         schemas = ("json_schema", "tool_or_answer")
-        if matcher.is_error() and spec.kind in schemas and _RECURSION.search(matcher.get_error()):
+        base = answer_spec(spec)  # what a think section wraps decides how failures are read
+        if matcher.is_error() and base.kind in schemas and _RECURSION.search(matcher.get_error()):
             # llguidance could not intersect through a recursive definition: retry with references reshaped.
             matcher = self._matcher(self.grammar_text(spec, reshape=True), limits)
         if matcher.is_error():
-            blame = self._blame(spec, limits) if spec.kind == "tool_or_answer" else None
-            raise blame or _error(spec, matcher.get_error())
+            blame = self._blame(base, limits) if base.kind == "tool_or_answer" else None
+            raise blame or _error(base, matcher.get_error())
         problem = self._probe(matcher)
         if problem is not None:
             raise problem

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args
 
 from radixserve.constrained.regex_check import regex_problem, schema_pattern_problem
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_or_answer"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_or_answer", "reasoning"]
 ErrorKind = Literal["invalid", "unsupported", "timeout", "too_complex", "internal"]
 
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
@@ -127,6 +127,35 @@ def _parse_tool_or_answer(value: Any) -> dict[str, Any]:
     return parsed
 
 
+# A reasoning model's think section, as Qwen3 and the DeepSeek-R1 distills write it.
+THINK_TAGS = ("<think>", "</think>")
+_REASONING_FIELDS = {"inner", "open", "close", "opened", "max_tokens"}
+
+
+def _parse_reasoning(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or set(value) - _REASONING_FIELDS:
+        raise GrammarError(
+            'reasoning must be {"inner": <ConstraintSpec or null>, "open": <tag>, "close": <tag>, '
+            '"opened": <bool>, "max_tokens": <int or null>}'
+        )
+    inner = value.get("inner")
+    if inner is not None and (not isinstance(inner, ConstraintSpec) or inner.kind == "reasoning"):
+        raise GrammarError("reasoning's inner constraint must be a ConstraintSpec of another kind, or null")
+    cap = value.get("max_tokens")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise GrammarError(f"reasoning's max_tokens must be a positive integer or null, got {cap!r}")
+    parsed = {
+        "inner": inner,
+        "open": value.get("open", THINK_TAGS[0]),
+        "close": value.get("close", THINK_TAGS[1]),
+        "opened": bool(value.get("opened", False)),
+        "max_tokens": cap,
+    }
+    if not all(isinstance(parsed[k], str) and parsed[k] for k in ("open", "close")):
+        raise GrammarError("reasoning's open and close tags must be non-empty strings")
+    return parsed
+
+
 def tool_or_answer_parts(value: dict[str, Any]) -> list[tuple[str, dict[str, Any] | bool]]:
     """The schemas of a ``tool_or_answer`` value as ``(JSON pointer prefix, schema)``; errors inside one are
     reported under its prefix (``/call`` or ``/answer``)."""
@@ -167,9 +196,18 @@ class ConstraintSpec:
         elif self.kind == "tool_or_answer":
             object.__setattr__(self, "value", _parse_tool_or_answer(self.value))
             object.__setattr__(self, "key", f"tool_or_answer:{canonical_json(self.value)}")
+        elif self.kind == "reasoning":
+            object.__setattr__(self, "value", _parse_reasoning(self.value))
+            inner = self.value["inner"]
+            meta = {**self.value, "inner": inner.key if inner is not None else None}
+            object.__setattr__(self, "key", f"reasoning:{canonical_json(meta)}")
 
     def validate(self) -> None:
         """Raise ``GrammarError`` when ``value`` does not have the shape ``kind`` needs (no compilation)."""
+        if self.kind == "reasoning":
+            if self.value["inner"] is not None:
+                self.value["inner"].validate()
+            return
         if self.kind in ("regex", "grammar"):
             if not isinstance(self.value, str) or not self.value.strip():
                 raise GrammarError(f"{self.kind} must be a non-empty string")

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from radixserve.server import native_routes, openai_chat, openai_completions, openai_models
+from radixserve.server import (
+    anthropic_messages,
+    native_routes,
+    openai_chat,
+    openai_completions,
+    openai_models,
+    openai_responses,
+)
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.lifecycle import drain_on_exit
@@ -81,6 +88,8 @@ def create_app(
     app.include_router(native_routes.health_router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_responses.router)
+    app.include_router(anthropic_messages.router)
     app.include_router(openai_models.router)
     app.include_router(native_routes.router)
     return app

@@ -34,6 +34,18 @@ class ServerConfig:
         "'vllm' uses none (temperature 1, top_p 1), or a folder or file holding a generation_config.json.",
     )
     chat_template: str = _opt("", "A Jinja chat template (a file path or the template text) overriding the model's.")
+    reasoning_parser: str = _opt(
+        "",
+        "The think-section convention of a reasoning model (qwen3, deepseek-r1): the section goes to "
+        "reasoning_content / reasoning items / thinking blocks, and a response schema applies after it.",
+        ("", "qwen3", "deepseek-r1"),
+    )
+    reasoning_max_tokens: int = _opt(
+        0, "With --reasoning-parser: the most tokens a think section may take before it is closed (0: no cap)."
+    )
+    responses_store_size: int = _opt(
+        1024, "Responses kept for previous_response_id and GET /v1/responses/{id} (oldest dropped first)."
+    )
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
     log_format: str = _opt(
         "text",
@@ -74,6 +86,12 @@ class ServerConfig:
             raise ValueError(f"--max-json-depth must be >= 8, got {self.max_json_depth}")
         if self.request_read_timeout <= 0:
             raise ValueError(f"--request-read-timeout must be > 0 seconds, got {self.request_read_timeout}")
+        if self.reasoning_parser not in ("", "qwen3", "deepseek-r1"):
+            raise ValueError(f"--reasoning-parser must be qwen3 or deepseek-r1, got {self.reasoning_parser!r}")
+        if self.reasoning_max_tokens < 0:
+            raise ValueError(f"--reasoning-max-tokens must be >= 0 (0: no cap), got {self.reasoning_max_tokens}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"--responses-store-size must be >= 0, got {self.responses_store_size}")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"--log-format must be text or json, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:

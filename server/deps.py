@@ -21,12 +21,18 @@ def get_state(request: Request) -> ServerState:
 def require_api_key(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> None:
-    """401 unless the request carries ``Authorization: Bearer <api key>`` (when the server has a key).
+    """401 unless the request carries ``Authorization: Bearer <api key>`` or ``x-api-key: <api key>`` (when the
+    server has a key).
 
     Compared in constant time, so response timing does not reveal how much of a guessed key was right.
     """
     key = get_state(request).config.api_key
     if not key:
+        return
+    if credentials is None and request.headers.get("x-api-key") is not None:  # Anthropic's clients send this
+        given = request.headers["x-api-key"]
+        if not hmac.compare_digest(given.encode("utf-8"), key.encode("utf-8")):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
         return
     if credentials is None:
         raise APIError(

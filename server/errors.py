@@ -90,6 +90,33 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": err_type, "param": param, "code": code if code else status}}
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+# Routes that answer in Anthropic's error shape rather than OpenAI's.
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
+    err_type = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": err_type, "message": message}}
+
+
+def error_response(path: str, status: int, message: str, param: str | None = None, code: Any = None, headers=None):
+    """The error as the API of ``path`` shapes it."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
@@ -177,24 +204,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        return error_response(request.url.path, 400, message, param)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return JSONResponse(
-            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
-        )
+        return error_response(request.url.path, exc.status_code, str(exc.detail), headers=exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(internal_error(exc).body(), status_code=500)
+        err = internal_error(exc)
+        return error_response(request.url.path, 500, err.message, code=err.code)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)

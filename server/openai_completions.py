@@ -18,13 +18,13 @@ from fastapi import APIRouter, Depends, Request
 
 from radixserve.runtime.request import ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.chat_core import finish_reason, usage
 from radixserve.server.constraints import at_most_one, body_constraints, compile_constraints
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import completion_logprobs, prompt_entries
-from radixserve.server.openai_chat import finish_reason, usage
 from radixserve.server.params import budget, openai_params
 from radixserve.server.protocol import CompletionRequest
 from radixserve.server.state import ServerState

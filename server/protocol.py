@@ -162,6 +162,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (e.g. enable_thinking)."
     )
+    max_thinking_tokens: int | None = Field(
+        None, ge=1, description="With --reasoning-parser: the think section is closed after this many tokens."
+    )
 
 
 class CompletionRequest(_SamplingFields):

@@ -18,6 +18,8 @@ from radixserve.server.config import ServerConfig, default_served_name, load_cha
 from radixserve.server.errors import APIError
 from radixserve.server.generation_defaults import sampling_defaults
 from radixserve.server.metrics import Metrics
+from radixserve.server.reasoning import REASONING_PARSERS
+from radixserve.server.responses_store import ResponseStore
 from radixserve.server.tokens import TokenNames
 
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -41,6 +43,8 @@ class ServerState:
         self.served_name = self.served_names[0]
         self.sampling_defaults: dict[str, float | int] = {}
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
+        self.reasoning_format = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        self.responses = ResponseStore(config.responses_store_size)
         self.metrics = Metrics(self.served_name)
         self.inflight: dict[str, RequestGroup] = {}
         self.created = int(time.time())

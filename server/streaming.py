@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -19,6 +19,11 @@ DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_event(kind: str, payload: dict[str, Any]) -> str:
+    """A named event (``event:`` line), as the Responses and Messages APIs stream them."""
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def stream_chunk(
@@ -44,16 +49,23 @@ def sse_error(exc: BaseException) -> str:
     return sse(err.body())
 
 
-async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass ``events`` through; an exception becomes an error event and the stream still ends with [DONE]."""
+def openai_stream_error(exc: BaseException) -> list[str]:
+    return [sse_error(exc), DONE]
+
+
+async def guarded(
+    events: AsyncIterator[str], on_error: Callable[[BaseException], list[str]] = openai_stream_error
+) -> AsyncIterator[str]:
+    """Pass ``events`` through; an exception becomes the API's error event(s) (by default an OpenAI error and
+    [DONE])."""
     try:
         async for event in events:
             yield event
     except Exception as exc:  # noqa: BLE001 - never cut a stream without telling the client why
         if not isinstance(exc, APIError):
             logger.exception("streaming response failed")
-        yield sse_error(exc)
-        yield DONE
+        for line in on_error(exc):
+            yield line
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 
@@ -65,9 +77,11 @@ class SSEResponse(StreamingResponse):
     whenever the garbage collector finalizes a generator suspended at a ``yield``.
     """
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
+    def __init__(
+        self, events: AsyncIterator[str], on_error: Callable[[BaseException], list[str]] = openai_stream_error
+    ) -> None:
         super().__init__(
-            guarded(events),
+            guarded(events, on_error),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -1,7 +1,8 @@
 """Real agent frameworks, installed from PyPI, against the HTTP server over the real default model.
 
-LangChain's ``ChatOpenAI`` and the OpenAI Agents SDK (``OpenAIChatCompletionsModel``, chat-completions mode) each
-run a tool-calling loop (the model calls a tool, Python runs it, the result goes back, the model answers) and a
+LangChain's ``ChatOpenAI`` and the OpenAI Agents SDK (with its defaults, which speak the Responses API, and in
+chat-completions mode through ``OpenAIChatCompletionsModel``) each run a tool-calling loop (the model calls a
+tool, Python runs it, the result goes back, the model answers) and a
 structured-output call, with nothing but ``base_url`` pointing them at us. The tool call is forced
 (``tool_choice`` named or "required"), so the 135M model reliably makes it; its arguments are then grammar-bound
 to the tool's schema, and the frameworks' own parsers must accept everything the server sends.
@@ -20,6 +21,7 @@ import openai
 import pytest
 from agents import (
     Agent,
+    ItemHelpers,
     ModelSettings,
     OpenAIChatCompletionsModel,
     Runner,
@@ -27,8 +29,10 @@ from agents import (
     ToolCallItem,
     ToolCallOutputItem,
     function_tool,
+    set_default_openai_client,
     set_tracing_disabled,
 )
+from agents.models import _openai_shared
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import BaseTool, tool
 from langchain_openai import ChatOpenAI
@@ -164,8 +168,23 @@ def test_langchain_tool_calling_loop(llm: ChatOpenAI, tool_choice: str, stream: 
 
 
 # ------------------------------------------------------------------------------------- OpenAI Agents SDK
-def _agent(server: ServerThread, calls: list[str] | None, output_type: type[BaseModel] | None) -> Agent:
-    """A chat-completions agent over our server; with ``calls``, it has a get_weather tool that records them."""
+@pytest.fixture
+def default_client(server: ServerThread) -> Iterator[None]:
+    """Our server as the SDK's default client: an agent naming its model by string then takes the SDK's default
+    path, the Responses API (no ``set_default_openai_api``). One client per test: each test runs its own event
+    loop, and a pooled connection must not outlive the loop it was opened in."""
+    previous = _openai_shared.get_default_openai_client()
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    set_default_openai_client(client, use_for_tracing=False)
+    yield
+    _openai_shared.set_default_openai_client(previous)
+
+
+def _agent(
+    server: ServerThread, calls: list[str] | None, output_type: type[BaseModel] | None, api: str = "chat"
+) -> Agent:
+    """An agent over our server (``api`` "chat": chat completions; "responses": the SDK's defaults, which need the
+    ``default_client`` fixture); with ``calls``, it has a get_weather tool that records them."""
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -184,7 +203,7 @@ def _agent(server: ServerThread, calls: list[str] | None, output_type: type[Base
     return Agent(
         name="weather",
         instructions="Answer weather questions with the get_weather tool.",
-        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client) if api == "chat" else MODEL,
         tools=[get_weather] if calls is not None else [],
         model_settings=settings,
         output_type=output_type,
@@ -223,6 +242,46 @@ def test_agents_sdk_tool_loop_with_output_type(server: ServerThread) -> None:
     result = asyncio.run(
         Runner.run(_agent(server, calls, WeatherAnswer), "What is the weather in Paris?", max_turns=MAX_TURNS)
     )
+    _check_agent_run(result, calls)
+    answer = result.final_output
+    assert isinstance(answer, WeatherAnswer)
+    assert (answer.conditions, answer.celsius) == (WEATHER_REPORT["conditions"], WEATHER_REPORT["celsius"])
+
+
+# ------------------------------------------------------------------- OpenAI Agents SDK, Responses API defaults
+async def _run_streamed(agent: Agent, question: str) -> RunResult:
+    result = Runner.run_streamed(agent, question, max_turns=MAX_TURNS)
+    kinds = [event.type async for event in result.stream_events()]
+    assert "raw_response_event" in kinds  # really streamed: the SDK saw the Responses events
+    return result  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_agents_sdk_defaults_tool_calling_loop(server: ServerThread, default_client: None, stream: bool) -> None:
+    calls: list[str] = []
+    agent = _agent(server, calls, None, api="responses")
+    question = "What is the weather in Paris?"
+    result = asyncio.run(_run_streamed(agent, question) if stream else Runner.run(agent, question, max_turns=MAX_TURNS))
+    _check_agent_run(result, calls)
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert result.final_output == ItemHelpers.text_message_outputs(result.new_items)
+    assert all(r.usage.input_tokens > 0 for r in result.raw_responses)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_agents_sdk_defaults_output_type(server: ServerThread, default_client: None, stream: bool) -> None:
+    agent = _agent(server, None, WeatherAnswer, api="responses")
+    question = "It is sunny and 21 degrees in Paris. Report it."
+    result = asyncio.run(_run_streamed(agent, question) if stream else Runner.run(agent, question, max_turns=MAX_TURNS))
+    answer = result.final_output
+    assert isinstance(answer, WeatherAnswer)
+    assert "paris" in answer.city.lower() and answer.conditions == "sunny"
+
+
+def test_agents_sdk_defaults_tool_loop_with_output_type(server: ServerThread, default_client: None) -> None:
+    calls: list[str] = []
+    agent = _agent(server, calls, WeatherAnswer, api="responses")
+    result = asyncio.run(_run_streamed(agent, "What is the weather in Paris?"))
     _check_agent_run(result, calls)
     answer = result.final_output
     assert isinstance(answer, WeatherAnswer)

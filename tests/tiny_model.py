@@ -118,6 +118,8 @@ def make_tiny_model(
     seed: int = 0,
     arch: str = "llama",
     max_position: int = 2048,
+    added_tokens: tuple[str, ...] = (),
+    chat_template: str = CHATML_TEMPLATE,
 ) -> Path:
     """Write a random-weight causal LM plus a trained byte-level BPE tokenizer into ``path``; return it.
 
@@ -126,7 +128,8 @@ def make_tiny_model(
     Llama biases q, k, v *and* o_proj); False on qwen2 is refused. The vocabulary has at most
     ``vocab_size_hint`` entries (fewer when the corpus runs out of merges) and the model's vocab_size is
     exactly the tokenizer's size. Norm weights and biases are randomized too (HF initializes them to
-    ones/zeros), so a loader that drops them produces different logits.
+    ones/zeros), so a loader that drops them produces different logits. ``added_tokens`` become added, not
+    special, tokens (as Qwen3's ``<think>`` and ``</think>`` are); ``chat_template`` replaces the ChatML one.
     """
     from transformers import (
         LlamaConfig,
@@ -152,9 +155,11 @@ def make_tiny_model(
         tokenizer_object=backend, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
         pad_token=EOS_TOKEN, model_max_length=2048,
     )
-    tokenizer.chat_template = CHATML_TEMPLATE
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(path))
-    _write_chat_template(path, CHATML_TEMPLATE)
+    _write_chat_template(path, chat_template)
     vocab_size = len(tokenizer)
 
     common = dict(

@@ -1,0 +1,52 @@
+"""The grammar of a ``reasoning`` constraint: a think section of free text, then the answer's own grammar.
+
+A reasoning model (Qwen3, the DeepSeek-R1 distills) writes ``<think>...</think>`` before its answer. A schema
+applied from the first token would forbid the section (or make the model write JSON where it meant to think), so
+the constraint starts only once the section closes. Shape of the grammar (llguidance's Lark dialect):
+
+    start: OPEN think CLOSE SEP? answer      # ("OPEN" left out when the prompt already opened the section;
+    think[stop=CLOSE, max_tokens=N]: /.*/    #  optional, with what follows it, when the model may skip it)
+    answer: @answer                          # the inner constraint's grammar, as a named sub-grammar
+
+Invariants: the think text never contains the close tag (``stop`` ends the lexeme at it, and the rule after it
+writes it once); at ``max_tokens`` tokens the lexeme ends and the close tag is forced, so a cap always closes the
+section rather than cutting into the answer; the inner grammar is the one a request without reasoning gets, so
+nothing about the answer is weakened. Inner errors keep the inner constraint's pointers (``answer_spec``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.constrained.spec import ConstraintSpec
+
+# Whitespace models write between the close tag and a structured answer ("</think>\n\n{...}").
+_SEPARATOR = r"/[ \t\r\n]{1,4}/"
+
+
+def answer_spec(spec: ConstraintSpec) -> ConstraintSpec:
+    """The constraint that decides the answer: ``spec`` itself, or the inner one of a ``reasoning`` spec."""
+    if spec.kind == "reasoning" and spec.value["inner"] is not None:
+        return spec.value["inner"]
+    return spec
+
+
+def reasoning_grammar(value: dict[str, Any], answer: str | None) -> str:
+    """The llguidance grammar (TopLevelGrammar JSON text) of a ``reasoning`` value whose inner constraint compiled
+    to ``answer`` (llguidance grammar JSON), or None for a free-text answer."""
+    open_tag, close_tag = json.dumps(value["open"]), json.dumps(value["close"])
+    options = [f"stop={close_tag}"]
+    if value["max_tokens"] is not None:
+        options.append(f"max_tokens={value['max_tokens']}")
+    section = f"think {close_tag}" if value["opened"] else f"{open_tag} think {close_tag}"
+    if answer is None:
+        body, rest = "ANSWER", ["ANSWER: /(?s:.*)/"]
+        sub: list[dict[str, Any]] = []
+    else:
+        body, rest = "SEP? answer", [f"SEP: {_SEPARATOR}", "answer: @answer"]
+        sub = json.loads(answer)["grammars"]
+        sub[0] = {**sub[0], "name": "answer"}
+    start = f"start: {section} {body}" if value["opened"] else f"start: ({section})? {body}"
+    lark = "\n".join([start, f"think[{', '.join(options)}]: /(?s:.*)/", *rest, ""])
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *sub]})
