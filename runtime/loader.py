@@ -95,7 +95,8 @@ def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Ll
     with torch.device("meta"):
         model = LlamaForCausalLM(args, dtype=dtype)
     model = model.to(dtype).eval()
-    model.model.rope.reset_tables(dtype, device)
+    for rope in model.model.rotaries():
+        rope.reset_tables(dtype, device)
     return model
 
 

@@ -95,6 +95,17 @@ def _train_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
+# arch -> (transformers config class, model class) for the families beyond Llama and Qwen2.
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
 def _write_chat_template(folder: Path, template: str) -> None:
     """Put the template in tokenizer_config.json too: newer transformers keep it only in
     chat_template.jinja, older ones and other tools read the config key."""
@@ -120,6 +131,7 @@ def make_tiny_model(
     max_position: int = 2048,
     added_tokens: tuple[str, ...] = (),
     chat_template: str = CHATML_TEMPLATE,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write a random-weight causal LM plus a trained byte-level BPE tokenizer into ``path``; return it.
 
@@ -130,6 +142,8 @@ def make_tiny_model(
     exactly the tokenizer's size. Norm weights and biases are randomized too (HF initializes them to
     ones/zeros), so a loader that drops them produces different logits. ``added_tokens`` become added, not
     special, tokens (as Qwen3's ``<think>`` and ``</think>`` are); ``chat_template`` replaces the ChatML one.
+    Other families (``arch`` in ``FAMILIES``: qwen3, mistral, phi3, gemma2, gemma3) take their config class's
+    defaults but for the shape, and ``config_overrides`` (a sliding window, say).
     """
     from transformers import (
         LlamaConfig,
@@ -139,8 +153,8 @@ def make_tiny_model(
         Qwen2ForCausalLM,
     )
 
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if arch not in ("llama", "qwen2", *FAMILIES):
+        raise ValueError(f"arch must be 'llama', 'qwen2' or one of {sorted(FAMILIES)}, got {arch!r}")
     if arch == "qwen2" and qkv_bias is False:
         raise ValueError("Qwen2 always has q/k/v biases; use arch='llama' for a model without them")
     if hidden % heads != 0 or heads % kv_heads != 0:
@@ -170,11 +184,18 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     if arch == "llama":
-        config = LlamaConfig(attention_bias=bool(qkv_bias), **common)
+        config = LlamaConfig(attention_bias=bool(qkv_bias), **common, **(config_overrides or {}))
         model_cls = LlamaForCausalLM
-    else:
-        config = Qwen2Config(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, **(config_overrides or {}))
         model_cls = Qwen2ForCausalLM
+    else:
+        import transformers
+
+        config_name, model_name = FAMILIES[arch]
+        extra = {"head_dim": hidden // heads, **(config_overrides or {})}
+        config = getattr(transformers, config_name)(**common, **extra)
+        model_cls = getattr(transformers, model_name)
 
     # fork_rng keeps the caller's global RNG untouched, so building a model never perturbs a test.
     with torch.random.fork_rng(devices=[]):

@@ -3,6 +3,7 @@
 from radixserve.runtime.attention.base import (
     AttentionBackend,
     AttentionMetadata,
+    AttnOptions,
     ExtendSeq,
     ForwardContext,
     PrefixGroup,
@@ -12,6 +13,7 @@ from radixserve.runtime.attention.torch_ref import TorchReferenceBackend
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "AttnOptions",
     "ExtendSeq",
     "ForwardContext",
     "PrefixGroup",

@@ -58,6 +58,27 @@ class AttentionMetadata:
     prefix_groups: tuple[PrefixGroup, ...] = ()
 
 
+@dataclass(frozen=True)
+class AttnOptions:
+    """How one layer attends, when it is not plain causal attention scaled by ``head_dim ** -0.5``.
+
+    ``window``: a query sees only the last ``window`` keys (itself included), as HF's sliding-window layers do
+    (Mistral, Phi-3, Gemma's local layers); ``scale``: the score scale (Gemma's ``query_pre_attn_scalar``);
+    ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
+    """
+
+    window: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.scale is None and self.softcap is None
+
+
+PLAIN = AttnOptions()
+
+
 class AttentionBackend(ABC):
     """Stores this step's K/V into the pool and computes attention for every token of the batch."""
 
@@ -76,6 +97,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         pool: KVPool,
         state: Any = None,  # what ``prepare`` returned for this meta and pool; computed on the spot when None
+        options: AttnOptions = PLAIN,
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -90,7 +112,9 @@ class ForwardContext:
     _state: Any = field(default=None, init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions = PLAIN
+    ) -> torch.Tensor:
         if not self._prepared:
             self._state, self._prepared = self.backend.prepare(self.meta, self.pool), True
-        return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._state)
+        return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._state, options)

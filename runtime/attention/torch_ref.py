@@ -3,7 +3,8 @@
 Decode tokens are attended together over one padded gather of their KV slots; when several decoding sequences
 share a cached prefix, that prefix is attended once against a single copy of its K/V and merged with each row's
 own suffix by log-sum-exp (cascade attention), so a 1,000-token system prompt shared by 64 requests is read once
-per layer rather than 64 times. Prefill chunks go one sequence at a time (few per step and long).
+per layer rather than 64 times. Prefill chunks go one sequence at a time (few per step and long). Layers with
+``AttnOptions`` (a sliding window, a scale, soft-capping) take the masked path of ``masked``.
 
 Decode is the hot loop of serving, so its per-step work (gather indices, the padding mask) is done once per
 forward pass in ``prepare``. Per layer, one ``index_select`` gathers the rows' keys into a reused workspace,
@@ -17,14 +18,15 @@ reference. The kernel attends each grouped row over its whole row (shared prefix
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.runtime.attention import cpu_kernels
-from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, PrefixGroup
+from radixserve.runtime.attention.base import PLAIN, AttentionBackend, AttentionMetadata, AttnOptions, PrefixGroup
 from radixserve.runtime.attention.cpu_kernels import DecodeAttention, decode_attention_op
+from radixserve.runtime.attention.masked import masked_attention
 from radixserve.runtime.kv_pool import KVPool
 
 # Gather workspaces up to this size are kept between layers and steps (a fresh multi-MB tensor per layer costs
@@ -48,10 +50,20 @@ class _DecodeLayout:
     bag_offsets: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _StepState:
     decode: _DecodeLayout | None
     extend_index: tuple[torch.Tensor | None, ...]  # per extend with a cached prefix, ``_kv_rows`` of its slots
+    whole_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # for layers with options (``masked``)
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per window: rows' tails
+
+
+def _windowed(slots: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's last ``window`` slots (a decode query sees exactly those), left-aligned, and their count."""
+    width = min(window, slots.shape[1])
+    start = (lens - window).clamp(min=0)
+    index = (start[:, None] + torch.arange(width, device=slots.device)[None, :]).clamp(max=slots.shape[1] - 1)
+    return slots.gather(1, index).contiguous(), torch.clamp(lens, max=window)
 
 
 def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
@@ -152,6 +164,7 @@ class TorchReferenceBackend(AttentionBackend):
         meta: AttentionMetadata,
         pool: KVPool,
         state: _StepState | None = None,
+        options: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         if state is None:
             state = self.prepare(meta, pool)
@@ -159,6 +172,8 @@ class TorchReferenceBackend(AttentionBackend):
         if meta.out_slots.numel():
             kv[0].index_copy_(1, meta.out_slots, k.transpose(0, 1))
             kv[1].index_copy_(1, meta.out_slots, v.transpose(0, 1))
+        if not options.plain:
+            return self._with_options(q, k, v, kv, meta, pool, state, options)
         nd = meta.num_decode
         decoded = None
         if state.decode is not None:
@@ -185,6 +200,49 @@ class TorchReferenceBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, rows[0], rows[1], attn_mask=mask, enable_gqa=True)
             out[s:e] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _with_options(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: torch.Tensor,
+        meta: AttentionMetadata,
+        pool: KVPool,
+        state: _StepState,
+        options: AttnOptions,
+    ) -> torch.Tensor:
+        """A layer with a window or a scale (no soft-capping) decodes on the compiled kernel over each row's last
+        ``window`` slots; everything else goes through ``masked``."""
+        kernel = self._decode_kernel
+        if not meta.num_decode or options.softcap is not None or kernel is None or not cpu_kernels.applies(
+            kv.device, kv.dtype
+        ):
+            return masked_attention(q, k, v, kv, meta, pool, self._whole_rows(meta, state), options)
+        slots, lens = self._whole_rows(meta, state) or (None, None)
+        assert slots is not None and lens is not None
+        if options.window is not None:
+            slots, lens = state.windowed.get(options.window) or _windowed(slots, lens, options.window)
+            state.windowed[options.window] = (slots, lens)
+        nd, d = meta.num_decode, q.shape[-1]
+        scale = options.scale if options.scale is not None else d**-0.5
+        decoded = kernel(q[:nd].contiguous(), kv, slots, lens, scale)[0]
+        if not meta.extends:
+            return decoded
+        out = masked_attention(q, k, v, kv, meta, pool, None, options)
+        out[:nd] = decoded
+        return out
+
+    def _whole_rows(self, meta: AttentionMetadata, state: _StepState) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode rows' slot tables with any shared prefix in front (made once per step, for the layers with
+        options)."""
+        if not meta.num_decode:
+            return None
+        if state.whole_rows is None:
+            assert meta.decode_slots is not None and meta.decode_mask is not None
+            lens = meta.decode_mask.reshape(meta.decode_slots.shape).sum(dim=1)
+            state.whole_rows = _full_rows(meta.decode_slots, lens, meta.prefix_groups)
+        return state.whole_rows
 
     def _decode(
         self, q: torch.Tensor, kv: torch.Tensor, layout: _DecodeLayout, groups: tuple[PrefixGroup, ...]

@@ -31,6 +31,8 @@ def check_shardable(args: ModelArgs, world: int) -> None:
     """Raise ``ValueError`` saying what to change when ``args`` cannot be split over ``world`` ranks."""
     if world < 1:
         raise ValueError(f"--tp must be >= 1, got {world}")
+    if world > 1 and args.moe_layers:
+        raise ValueError(f"{args.architecture} (mixture of experts) cannot be split with --tp yet; use --tp 1")
     for what, n in (
         ("attention heads", args.num_heads),
         ("key/value heads", args.num_kv_heads),

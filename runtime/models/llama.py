@@ -1,80 +1,30 @@
-"""A Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, Qwen2, SmolLM.
+"""The shared decoder in plain PyTorch: Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, Phi-3, Gemma 2/3, SmolLM.
 
 The forward pass takes a flat, unpadded batch of tokens from many sequences (prefill chunks and decode tokens
 mixed) with their positions; everything about batching and KV memory hides behind ``ForwardContext.attend``.
-Parameter names match HuggingFace checkpoints, so weights load by name.
+Parameter names match HuggingFace checkpoints, so weights load by name. What differs between families is data in
+``ModelArgs`` (``runtime.models.families``): q/k norms, per-layer sliding windows and RoPE, attention scale and
+soft-capping, Gemma's norm offset, sandwich norms, activation and embedding scale, routed experts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from radixserve.runtime.attention.base import ForwardContext
+from radixserve.runtime.attention.base import AttnOptions, ForwardContext
 from radixserve.runtime.models import fused, loading
+from radixserve.runtime.models.args import ModelArgs
+from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES
 from radixserve.runtime.models.linear import Embedding, Linear
 from radixserve.runtime.models.rope import RotaryEmbedding
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    architecture: str
-
-    @classmethod
-    def from_hf_config(cls, cfg: Any) -> ModelArgs:
-        archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(getattr(cfg, "rope_parameters", None) or {})
-        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        scaling = getattr(cfg, "rope_scaling", None) or rope or None
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        # HF Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
-        llama_bias = arch != "Qwen2ForCausalLM" and bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = arch == "Qwen2ForCausalLM" or llama_bias
-        return cls(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.rms_norm_eps,
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=llama_bias,
-            architecture=arch,
-        )
-
-
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelArgs"]
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -123,49 +73,95 @@ class Attention(nn.Module):
         parts = {"q_proj": args.num_heads * d, "k_proj": args.num_kv_heads * d, "v_proj": args.num_kv_heads * d}
         self.qkv_proj = MergedLinear(h, parts, bias=args.qkv_bias)
         self.o_proj = Linear(args.num_heads * d, h, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.qk_norm = args.qk_norm
+        self.options = AttnOptions(window=args.window(layer), scale=args.attn_scale, softcap=args.attn_softcap)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
-        # q and k sit side by side in the fused output: RoPE rotates both in one go, in place.
-        qk = fused.rope_(qkv[:, : (h + hkv) * d].view(t, h + hkv, d), *rope)
+        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+        if self.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
+        # q and k sit side by side: RoPE rotates both in one go, in place.
+        qk = fused.rope_(qk, *rope)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
-        o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v)
+        o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v, self.options)
         return self.o_proj(o.reshape(t, h * d))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, width: int | None = None) -> None:
         super().__init__()
-        parts = {"gate_proj": args.intermediate_size, "up_proj": args.intermediate_size}
-        self.gate_up_proj = MergedLinear(args.hidden_size, parts, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+        width = width or args.intermediate_size
+        self.gate_up_proj = MergedLinear(args.hidden_size, {"gate_proj": width, "up_proj": width}, bias=False)
+        self.down_proj = Linear(width, args.hidden_size, bias=False)
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:  # Gemma
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(fused.silu_mul(gate_up))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (Qwen3-MoE), over the flat token batch: the router picks ``experts_per_token`` experts
+    per token; each expert hit runs once on all of its tokens (one gather, one MLP, one scatter-add), so the cost
+    follows the tokens routed, not tokens times experts."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts))
+        self.top_k, self.normalize = args.experts_per_token, args.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).reshape(-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.top_k)[order]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                sel, w = tokens[start : start + n], weights[order[start : start + n]]
+                out.index_add_(0, sel, expert(x[sel]) * w[:, None])
+            start += n
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoE(args) if args.sparse(layer) else MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.sandwich = args.sandwich_norms
+        if args.sandwich_norms:  # Gemma 2/3: post_attention_layernorm normalizes the attention output
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor | None,
-        residual: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        ctx: ForwardContext,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         """``x`` is the previous layer's MLP output, still to be added to ``residual`` (the residual stream, updated
         in place; the same sums, in the same order, as ``x = x + attn(...)``); ``None`` for the first layer, whose
         residual is the embeddings. Returns this layer's MLP output."""
         norm = self.input_layernorm
         h = norm(residual) if x is None else norm.add_forward(x, residual)
+        if self.sandwich:
+            a = self.post_attention_layernorm(self.self_attn(h, rope, ctx))
+            h = self.pre_feedforward_layernorm.add_forward(a, residual)
+            return self.post_feedforward_layernorm(self.mlp(h))
         h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, ctx), residual)
         return self.mlp(h)
 
@@ -177,8 +173,16 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(
             args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
         )
+        # Gemma 3's local (windowed) layers rotate with a RoPE of their own.
+        self.local_rope = None
+        if args.local_rope is not None:
+            theta, scaling = args.local_rope
+            self.local_rope = RotaryEmbedding(args.head_dim, args.max_position_embeddings, theta, scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rope] + ([self.local_rope] if self.local_rope is not None else [])
 
 
 # HF projection name -> the merged module that holds it.
@@ -213,15 +217,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         rope = self.model.rope(positions)  # looked up once for all layers, in the activations' dtype
+        local = self.model.local_rope(positions) if self.model.local_rope is not None else rope
         # An embedding kept in GGUF blocks unpacks its rows to float32: the residual stream is in the activations'.
         residual = self.model.embed_tokens(input_ids).to(rope[0].dtype)
+        if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as HF does
+            residual = residual * torch.tensor(self.args.embed_scale, dtype=residual.dtype)
         x = None
-        for layer in self.model.layers:
-            x = layer(x, residual, rope, ctx)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, residual, local if self.args.window(i) is not None else rope, ctx)
         return self.model.norm.add_forward(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.args.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], device: torch.device | None = None) -> None:
         """Put HF-named tensors (or ``QuantTensor`` blocks) into the parameters, q/k/v and gate/up into their
@@ -230,13 +239,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
         skip = {"lm_head.weight"} if self.args.tie_word_embeddings else set()
+        if self.args.norm_offset:
+            weights = _offset_norms(weights, self.args.norm_offset)
         seen = loading.load_weights(self, weights, merged, _merged_target, device=device, skip=skip)
         self.tie_weights()
         expected: set[str] = set()
         for name in params:
             owner, _, leaf = name.rpartition(".")
             module = merged.get(owner)
-            if module is None:
+            if module is None or name in seen:  # a checkpoint may hold a merged projection whole (Phi-3)
                 expected.add(name)
             else:
                 expected.update(f"{owner.rpartition('.')[0]}.{part}.{leaf}" for part in module.parts)
@@ -255,3 +266,12 @@ def _merged_target(name: str, merged: dict[str, MergedLinear]) -> tuple[str, sli
     if proj not in MERGED or fused not in merged:
         return name, None
     return f"{fused}.{leaf}", merged[fused].part_rows(proj)
+
+
+def _offset_norms(weights: Iterable[tuple[str, Any]], offset: float) -> Iterable[tuple[str, Any]]:
+    """Gemma's norms scale by ``1 + weight``: store that sum, so every norm runs the same kernel. In float32 the
+    product ``x * (1 + w)`` is the bits HF computes."""
+    for name, tensor in weights:
+        if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor):
+            tensor = tensor.float() + offset
+        yield name, tensor

@@ -1,0 +1,157 @@
+"""The model families served, each a configuration of the one shared decoder (``runtime.models.llama``).
+
+``model_args(cfg)`` reads an HF config (plain attributes, ``runtime.weights.load_hf_config``) into ``ModelArgs``:
+what differs between families is data (q/k norms, sliding windows per layer, attention scale and soft-capping,
+norm offsets, the sandwich norms, the activation, the embedding scale, a second RoPE for local layers), never a
+copy of the decoder. An architecture not listed is refused with the supported list.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from radixserve.runtime.models.args import ModelArgs
+
+SUPPORTED_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+    }
+)
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Families whose HF attention applies ``sliding_window`` to every layer when it is set (no ``layer_types``).
+WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+RopeSpec = tuple[float, dict[str, Any] | None]  # (theta, scaling)
+
+
+def _rope(params: dict[str, Any], fallback_theta: float) -> RopeSpec:
+    theta = float(params.get("rope_theta", fallback_theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    return theta, (dict(params) if kind not in (None, "default") else None)
+
+
+def _ropes(cfg: Any, arch: str) -> tuple[RopeSpec, RopeSpec | None]:
+    """``(global rope, local rope or None)``: (theta, scaling). transformers >= 5 folds rope_theta and rope_scaling
+    into ``rope_parameters`` (per layer type for Gemma 3)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
+    if "full_attention" in params:  # per layer type
+        full = _rope(params["full_attention"], theta)
+        local = _rope(params.get("sliding_attention", {}), float(getattr(cfg, "rope_local_base_freq", 10000.0)))
+        return full, local
+    scaling = getattr(cfg, "rope_scaling", None)
+    full = _rope({**params, **(scaling or {})}, theta)
+    if arch == "Gemma3ForCausalLM":  # an older Gemma 3 config: rope_local_base_freq for the local layers
+        return full, (float(getattr(cfg, "rope_local_base_freq", 10000.0)), None)
+    return full, None
+
+
+def _windows(cfg: Any, arch: str, layers: int) -> tuple[int | None, ...]:
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if arch == "Gemma3ForCausalLM" and not types:
+        pattern = int(getattr(cfg, "sliding_window_pattern", getattr(cfg, "_sliding_window_pattern", 6)))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if arch == "Gemma2ForCausalLM" and not types:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if types:
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    if arch in WINDOW_EVERYWHERE and window:
+        return (int(window),) * layers
+    return (None,) * layers
+
+
+def model_args(cfg: Any) -> ModelArgs:
+    archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    partial = float((getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) or 1.0)
+    partial = float(getattr(cfg, "partial_rotary_factor", partial) or partial)
+    if partial != 1.0:
+        raise ValueError(f"{arch} with partial_rotary_factor {partial} is not supported (only full rotary)")
+    # HF Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
+    llama_bias = arch not in ("Qwen2ForCausalLM",) and bool(getattr(cfg, "attention_bias", False))
+    (theta, scaling), local = _ropes(cfg, arch)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        scaling = {**scaling, "original_max_position_embeddings": _original_positions(cfg, scaling)}
+    gemma = arch in GEMMA
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    layers = cfg.num_hidden_layers
+    windows = _windows(cfg, arch, layers)
+    return ModelArgs(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", gemma)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+        o_bias=llama_bias,
+        architecture=arch,
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+        layer_windows=windows if any(w is not None for w in windows) else (),
+        local_rope=local if local is not None and any(w is not None for w in windows) else None,
+        attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else None,
+        attn_softcap=_cap(getattr(cfg, "attn_logit_softcapping", None)) if gemma else None,
+        final_softcap=_cap(getattr(cfg, "final_logit_softcapping", None)) if gemma else None,
+        embed_scale=math.sqrt(cfg.hidden_size) if gemma else None,
+        norm_offset=1.0 if gemma else 0.0,
+        sandwich_norms=gemma,
+        hidden_act=act,
+        **_moe(cfg, arch, layers),
+    )
+
+
+def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
+    """Qwen3-MoE: layer ``i`` is sparse unless listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th."""
+    # transformers >= 5 writes num_experts as num_local_experts.
+    experts = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0) or 0)
+    if arch != "Qwen3MoeForCausalLM":
+        experts = 0
+    if not experts:
+        return {}
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    return {
+        "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+        "num_experts": experts,
+        "experts_per_token": int(cfg.num_experts_per_tok),
+        "moe_intermediate_size": int(cfg.moe_intermediate_size),
+        "norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False)),
+    }
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def _original_positions(cfg: Any, scaling: dict[str, Any]) -> int:
+    found = scaling.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    if not found:
+        raise ValueError("longrope scaling needs original_max_position_embeddings")
+    return int(found)

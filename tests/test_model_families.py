@@ -1,0 +1,89 @@
+"""Each served model family against HuggingFace transformers, on tiny random-weight configs built here.
+
+Per family: final logits of a whole prefill, of a chunked prefill into scattered slots and of a decode step
+within 1e-4 of HF's (the windowed families with a 16-token window, so the 23-token prompt and its chunks cross
+it); then through the engine, with the radix cache on, 16-token prefill chunks and 8 requests batched that share
+a 70-token prefix (a shared-prefix group), greedy output identical to HF ``generate`` for 32 tokens, which run
+past the window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampling_params import SamplingParams
+from tests.test_model import assert_logits_match_hf
+from tests.tiny_model import make_tiny_model
+
+WINDOW = 16
+FAMILIES = {
+    "qwen3": {},
+    "mistral": {"sliding_window": WINDOW},
+    "phi3": {"sliding_window": WINDOW},
+    "gemma2": {"sliding_window": WINDOW},
+    # Gemma 3 alternates local and global layers by layer_types, each kind with its own RoPE base.
+    "gemma3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Top-2 of 4 experts on layers 0 and 2, a dense MLP on layer 1.
+    "qwen3_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [1],
+        "norm_topk_prob": True,
+    },
+}
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch = request.param
+    folder = tmp_path_factory.mktemp(arch)
+    return make_tiny_model(folder, arch=arch, num_layers=3, config_overrides=FAMILIES[arch], seed=1)
+
+
+def test_logits_match_hf(family_dir: Path) -> None:
+    ours = assert_logits_match_hf(family_dir)
+    if "qwen3" not in family_dir.name:  # (and qwen3_moe)
+        assert any(w == WINDOW for w in ours.args.layer_windows)  # the window is honoured, not ignored
+
+
+def test_engine_greedy_matches_hf_generate(family_dir: Path) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(2)
+    vocab = hf.config.vocab_size
+    shared = torch.randint(3, vocab, (70,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, vocab, (10,), generator=gen).tolist() for _ in range(8)]
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(
+                torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            expected.append(out[0, len(p) :].tolist())
+    engine = Engine(model=str(family_dir), device="cpu", max_total_tokens=4096, chunked_prefill_size=16)
+    try:
+        engine.generate(input_ids=prompts[0][:70], sampling_params=SamplingParams(max_new_tokens=1))  # cache it
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, temperature=0.0)
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+        got = [r["output_ids"] for r in results]
+        assert got == expected
+        assert all(r["meta_info"]["cached_tokens"] >= 64 for r in results[1:])
+    finally:
+        engine.shutdown()
+
+
+def test_unsupported_architecture_is_refused_with_the_list(tmp_path: Path) -> None:
+    from radixserve.runtime.models import ModelArgs
+    from radixserve.runtime.weights import load_hf_config
+
+    folder = make_tiny_model(tmp_path / "m")
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace("LlamaForCausalLM", "FalconForCausalLM"))
+    with pytest.raises(ValueError, match="FalconForCausalLM.*supported: .*Gemma2ForCausalLM.*Qwen3ForCausalLM"):
+        ModelArgs.from_hf_config(load_hf_config(folder))
