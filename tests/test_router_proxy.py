@@ -249,3 +249,41 @@ def test_router_metrics_are_open_parse_and_count_what_happened() -> None:
     assert samples[(p + "requests_routed_total", (("replica", "b"),))] == 3.0
     assert samples[(p + "replica_marked_unhealthy_total", (("replica", "a"),))] == 1.0
     assert sum(v for (name, _), v in samples.items() if name == p + "routing_decisions_total") >= 3
+
+
+def test_responses_continue_on_the_replica_that_stored_them() -> None:
+    """Round robin would alternate; a previous_response_id (learned from a JSON body or the first event of a
+    stream) pins the follow-up, and GET of a stored response, to the replica whose store has it."""
+
+    def replica(name: str) -> Behaviour:
+        counter = iter(range(100))
+
+        def answer(path: str, headers: Headers) -> FakeUpstream:
+            rid = f"resp_{name}{next(counter)}"
+            if path.endswith("/responses") and "stream" in name:
+                event = {"type": "response.created", "response": {"id": rid, "object": "response"}}
+                return FakeUpstream(200, [f"event: response.created\ndata: {json.dumps(event)}\n\n".encode()],
+                                    "text/event-stream")
+            return FakeUpstream(200, [json.dumps({"id": rid, "object": "response"}).encode()])
+
+        return answer
+
+    transport = FakeTransport({"a": replica("a"), "streamb": replica("streamb")})
+    client = fake_router(transport)
+    homes = set()
+    for _ in range(2):  # round robin starts one conversation on each replica
+        first = client.post("/v1/responses", json={"input": "hi"})
+        home = first.headers[REPLICA_HEADER]
+        homes.add(home)
+        # From the stream replica the id comes in its first event.
+        streamed = home != "a"
+        rid = json.loads(first.text.split("data: ", 1)[1])["response"]["id"] if streamed else first.json()["id"]
+        for _ in range(3):
+            follow = client.post("/v1/responses", json={"input": "more", "previous_response_id": rid})
+            assert follow.headers[REPLICA_HEADER] == home
+        assert client.get(f"/v1/responses/{rid}").headers[REPLICA_HEADER] == home
+    assert homes == {"a", "streamb"}
+    # Requests that continue nothing still follow the policy, and Messages are routed too.
+    seen = {client.post("/v1/responses", json={"input": "x"}).headers[REPLICA_HEADER] for _ in range(4)}
+    assert seen == {"a", "streamb"}
+    assert client.post("/v1/messages", json={"max_tokens": 4, "messages": []}).status_code == 200

@@ -4,8 +4,9 @@
 passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve ingress one over deployment handles.
 
 Routes:
-  * POST /v1/chat/completions, /v1/completions, /generate: routed by the policy on the request's text, streamed
-    through when the replica streams (``server.router.proxy``);
+  * POST /v1/chat/completions, /v1/completions, /generate, /v1/messages, /v1/responses: routed by the policy on
+    the request's text, streamed through when the replica streams (``server.router.proxy``); a Responses request
+    with ``previous_response_id`` goes to the replica that stored that response;
   * GET /v1/models, /v1/models/{model}, /server_info and POST /tokenize: from the least loaded healthy replica
     (every replica serves the same model; /server_info is that replica's own engine and cache);
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
@@ -116,6 +117,14 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def completions(request: Request) -> Response:
         return await _routed(request, "/v1/completions")
 
+    @api.post("/v1/responses", summary="Responses API, proxied to the chosen replica (or the one storing the thread)")
+    async def responses(request: Request) -> Response:
+        return await _routed(request, "/v1/responses")
+
+    @api.post("/v1/messages", summary="Anthropic Messages API, proxied to the chosen replica")
+    async def messages(request: Request) -> Response:
+        return await _routed(request, "/v1/messages")
+
     @api.post("/generate", summary="Native generation, proxied to the chosen replica")
     async def generate(request: Request) -> Response:
         return await _routed(request, "/generate")
@@ -127,6 +136,28 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
             return await _state(request).forwarder.forward(request, method, path, body, None)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+
+    async def _stored(request: Request, method: str, response_id: str, suffix: str = "") -> Response:
+        """A stored response lives on the replica that made it: there, when the router saw it made."""
+        forwarder = _state(request).forwarder
+        path = f"/v1/responses/{quote(response_id, safe='')}{suffix}"
+        home = forwarder.response_homes.get(response_id)
+        try:
+            return await forwarder.forward(request, method, path, b"", None, prefer=home)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
+    @api.get("/v1/responses/{response_id}", summary="A stored response, from the replica that stored it")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, "GET", response_id)
+
+    @api.delete("/v1/responses/{response_id}", summary="Delete a stored response, on the replica that stored it")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, "DELETE", response_id)
+
+    @api.get("/v1/responses/{response_id}/input_items", summary="A stored response's input items")
+    async def response_items(request: Request, response_id: str) -> Response:
+        return await _stored(request, "GET", response_id, "/input_items")
 
     @api.get("/v1/models", summary="The served models, from one healthy replica")
     async def models(request: Request) -> Response:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -36,6 +38,10 @@ logger = logging.getLogger("radixserve.router")
 T = TypeVar("T")
 RETRY_AFTER_S = 2
 REPLICA_HEADER = "x-radixserve-replica"  # on every relayed response: which replica answered
+# A Responses id at the start of a response body or stream (the object's first field, the first event's response).
+RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9]+)"')
+SNIFF_BYTES = 4096
+MAX_RESPONSE_HOMES = 100_000  # response id -> the replica whose store holds it, oldest forgotten first
 DISCONNECT_POLL_S = 0.25
 # Not forwarded in either direction: hop-by-hop headers, and those the HTTP layer recomputes.
 _SKIP_HEADERS = frozenset(
@@ -76,14 +82,21 @@ class _RelayedStream(StreamingResponse):
     event and [DONE]; whatever way the response ends (including a client disconnect, which cancels the body
     iterator, or a response never started) the upstream is closed and the lease released."""
 
-    def __init__(self, upstream: Upstream, lease: _Lease, headers: Headers) -> None:
-        self._upstream, self._lease = upstream, lease
+    def __init__(
+        self, upstream: Upstream, lease: _Lease, headers: Headers, sniff: Callable[[bytes], bool] | None = None
+    ) -> None:
+        self._upstream, self._lease, self._sniff = upstream, lease, sniff
         super().__init__(self._relay(), status_code=upstream.status)
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
 
     async def _relay(self) -> AsyncIterator[bytes]:
+        head = b""
         try:
             async for chunk in self._upstream.chunks():
+                if self._sniff is not None:  # the start of the stream, until the sniffer found what it wanted
+                    head += chunk
+                    if self._sniff(head[:SNIFF_BYTES]) or len(head) >= SNIFF_BYTES:
+                        self._sniff = None
                 yield chunk
         except ReplicaBroken as exc:
             self._lease.pool.replicas[self._lease.replica].failed += 1
@@ -133,25 +146,58 @@ class Forwarder:
     def __init__(self, pool: ReplicaPool, transport: Transport) -> None:
         self.pool = pool
         self.transport = transport
+        # Response id -> the replica that stored it (for previous_response_id); only the event loop touches it.
+        self.response_homes: OrderedDict[str, str] = OrderedDict()
 
     async def generation(self, request: Request, path: str) -> Response:
-        """A prompt-carrying POST (chat, completions, /generate): routed by the policy on its text."""
+        """A prompt-carrying POST (chat, completions, /generate, messages, responses): routed by the policy on its
+        text. A Responses request continuing a stored response (``previous_response_id``) goes to the replica that
+        stored it: the store is per replica."""
         body = await request.body()
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None  # the replica answers it with the proper 400
         text = routing_text(path, parsed)
-        return await self.forward(request, "POST", path, body, text)
+        if not path.endswith("/responses"):
+            return await self.forward(request, "POST", path, body, text)
+        previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
+        prefer = self.response_homes.get(previous) if isinstance(previous, str) else None
+        return await self.forward(request, "POST", path, body, text, prefer=prefer, learn=self._learn_home)
 
-    async def forward(self, request: Request, method: str, path: str, body: bytes, text: str | None) -> Response:
-        """Send to the policy's choice (``text`` given) or the least loaded replica (``text`` None)."""
+    def _learn_home(self, replica: str, head: bytes) -> bool:
+        """Note which replica stored the response whose JSON (or first stream event) starts ``head``; True once
+        found."""
+        found = RESPONSE_ID.search(head)
+        if found is None:
+            return False
+        self.response_homes[found.group(1).decode()] = replica
+        self.response_homes.move_to_end(found.group(1).decode())
+        while len(self.response_homes) > MAX_RESPONSE_HOMES:
+            self.response_homes.popitem(last=False)
+        return True
+
+    async def forward(
+        self,
+        request: Request,
+        method: str,
+        path: str,
+        body: bytes,
+        text: str | None,
+        *,
+        prefer: str | None = None,
+        learn: Callable[[str, bytes], bool] | None = None,
+    ) -> Response:
+        """Send to ``prefer`` while it can take requests, else to the policy's choice (``text`` given) or the least
+        loaded replica (``text`` None). ``learn(replica, head)`` sees the start of the response body."""
         headers = forwarded_headers(request.headers)
         excluded: set[str] = set()
         transient: dict[str, int] = {}
         broken: set[str] = set()
         while True:
-            if text is None:
+            if prefer is not None and prefer in self.pool.candidates(excluded):
+                replica: str | None = prefer
+            elif text is None:
                 replica = self.pool.least_loaded(excluded)
             else:
                 decision = self.pool.choose(text, excluded)
@@ -189,7 +235,7 @@ class Forwarder:
                     self.pool.mark_dead(replica, "answered 503 (not serving)")
                 excluded.add(replica)
                 continue
-            return await self._relay(request, upstream, lease)
+            return await self._relay(request, upstream, lease, learn)
 
     async def _discard(self, upstream: Upstream, lease: _Lease) -> None:
         try:
@@ -197,12 +243,15 @@ class Forwarder:
         finally:
             lease.release()
 
-    async def _relay(self, request: Request, upstream: Upstream, lease: _Lease) -> Response:
+    async def _relay(
+        self, request: Request, upstream: Upstream, lease: _Lease, learn: Callable[[str, bytes], bool] | None = None
+    ) -> Response:
         # The router's own server adds Date and Server: the replica's would repeat them.
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _SKIP_HEADERS | {"date", "server"}]
         headers.append((REPLICA_HEADER, lease.replica))
         if upstream.content_type.startswith("text/event-stream"):
-            return _RelayedStream(upstream, lease, headers)
+            sniff = (lambda head: learn(lease.replica, head)) if learn is not None and upstream.status == 200 else None
+            return _RelayedStream(upstream, lease, headers, sniff)
         try:
             content = await until_disconnected(request, upstream.read())
         except ReplicaBroken as exc:
@@ -211,6 +260,8 @@ class Forwarder:
             return error_response(502, f"the replica failed while sending the response: {exc}", "replica_failed")
         finally:
             await self._discard(upstream, lease)
+        if learn is not None and upstream.status == 200:
+            learn(lease.replica, content[:SNIFF_BYTES])
         response = Response(content, status_code=upstream.status)
         for k, v in headers:
             response.headers.append(k, v)

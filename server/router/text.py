@@ -4,6 +4,8 @@ The router does not render chat templates or tokenize (it has no tokenizer); it 
 two requests whose prompts share a long head also share a long head here. So:
   * chat (``/v1/chat/completions``): the tools (JSON, keys sorted; templates put them at the start of the
     prompt), then each message as role, a unit separator, its content, a record separator;
+  * Messages (``/v1/messages``) and Responses (``/v1/responses``): read as chat, the system prompt or the
+    instructions as a first system message;
   * completions (``/v1/completions``): the prompt (a batch: its prompts joined by record separators);
   * native ``/generate``: ``text`` the same way, or ``input_ids`` as ``"1,2,3,"`` (each id followed by a comma,
     so a shorter id list is a prefix of a longer one that starts the same).
@@ -59,6 +61,22 @@ def chat_text(body: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def messages_text(body: dict[str, Any]) -> str:
+    """Anthropic Messages: the system prompt as a first message, then the messages as chat's."""
+    system = body.get("system")
+    head = f"system{UNIT}{_content(system)}{RECORD}" if system else ""
+    return head + chat_text(body)
+
+
+def responses_text(body: dict[str, Any]) -> str:
+    """Responses: the instructions as a system message, then the input (text, or items read as messages)."""
+    items = body.get("input")
+    messages: list[Any] = [{"role": "user", "content": items}] if isinstance(items, str) else list(items or [])
+    if body.get("instructions"):
+        messages.insert(0, {"role": "system", "content": body["instructions"]})
+    return chat_text({"tools": body.get("tools"), "messages": messages})
+
+
 def routing_text(path: str, body: Any) -> str:
     """The routing text of a request to ``path`` with the parsed JSON ``body`` (see the module docstring)."""
     if not isinstance(body, dict):
@@ -66,6 +84,10 @@ def routing_text(path: str, body: Any) -> str:
     try:
         if path.endswith("/chat/completions"):
             return chat_text(body)
+        if path.endswith("/messages"):
+            return messages_text(body)
+        if path.endswith("/responses"):
+            return responses_text(body)
         if path.endswith("/completions"):
             return _prompt(body.get("prompt"))
         if path.endswith("/generate"):
