@@ -22,10 +22,21 @@ class ScheduledChunk:
     # Decodes only: ``(group, length)`` when the first ``length`` slots are a cached prefix that the other decode
     # rows of the same group share (the radix tree's node); attention reads that prefix once per group.
     shared_prefix: tuple[int, int] | None = None
+    # Speculative decoding: draft tokens computed after ``all_ids[start:end]`` (their slots follow in
+    # ``req.slots``) and verified at every position; such a chunk is an extend, never a decode.
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
-        return self.end - self.start == 1 and self.start > 0
+        return self.end - self.start == 1 and self.start > 0 and not self.draft
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start + len(self.draft)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req.all_ids[self.start : self.end] + list(self.draft)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class BatchPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.end - c.start for c in self.chunks)
+        return sum(c.num_tokens for c in self.chunks)
 
     @property
     def num_decode(self) -> int:
@@ -61,13 +72,15 @@ class StepResult:
     """What the model runner produced for a plan, indexed like ``plan.chunks``.
 
     ``next_tokens[i]`` is ``None`` for chunks that did not sample; ``prompt_logprobs[i]`` holds the log-probs
-    of the prompt tokens this chunk scored (empty unless the request asked for them).
+    of the prompt tokens this chunk scored (empty unless the request asked for them). For a chunk with drafts,
+    ``accepted[i]`` are the drafts verification kept; ``next_tokens[i]`` is the token that follows them.
     """
 
     next_tokens: list[int | None]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     errors: dict[int, Failure] = field(default_factory=dict)  # chunk index -> why that request failed
+    accepted: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> the drafts kept
 
     @classmethod
     def failed(cls, n: int, failure: Failure) -> StepResult:
@@ -82,4 +95,5 @@ class StepResult:
             self.logprobs + other.logprobs,
             self.prompt_logprobs + other.prompt_logprobs,
             {**self.errors, **{n + i: f for i, f in other.errors.items()}},
+            {**self.accepted, **{n + i: a for i, a in other.accepted.items()}},
         )

@@ -79,6 +79,20 @@ class EngineConfig:
     )
     seed: int = _opt(0, "Seed of the engine's own random state (requests without a seed draw from it).")
     disable_jump_forward: bool = _opt(False, "Sample grammar-forced tokens one by one instead of appending them.")
+    speculative_algorithm: str = _opt(
+        "",
+        "Speculative decoding: ngram drafts tokens by prompt lookup (what followed the latest earlier occurrence "
+        "of the sequence's last tokens) and verifies them in the batch; empty: off.",
+        ("", "ngram"),
+    )
+    speculative_num_draft_tokens: int = _opt(
+        3, "Most draft tokens a request proposes per step (3: a verification is 4 rows, one pass of the block kernels)."
+    )
+    speculative_ngram_min: int = _opt(2, "ngram: the shortest suffix of the sequence that is looked up (tokens).")
+    speculative_ngram_max: int = _opt(4, "ngram: the longest suffix looked up; longer matches are tried first.")
+    speculative_max_batch: int = _opt(
+        8, "Greedy requests stop speculating while more than this many requests decode at once."
+    )
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
     grammar_workers: int = _opt(2, "Threads compiling grammars off the engine loop (plus one for expensive ones).")
     grammar_nice: int = _opt(
@@ -116,6 +130,15 @@ class EngineConfig:
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_context_len < 0:
             raise ValueError("--max-context-len must be >= 0")
+        if self.speculative_algorithm not in ("", "ngram"):
+            raise ValueError(f"--speculative-algorithm must be ngram (or empty), got {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_num_draft_tokens <= 32:
+            k = self.speculative_num_draft_tokens
+            raise ValueError(f"--speculative-num-draft-tokens must be in [1, 32], got {k}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError("need 1 <= --speculative-ngram-min <= --speculative-ngram-max")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"--speculative-max-batch must be >= 1, got {self.speculative_max_batch}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("--grammar-compile-timeout must be > 0 seconds")
         if self.grammar_workers < 1:

@@ -351,14 +351,19 @@ class Engine(EngineAPI):
         gen = core.stats.generated_tokens
         kv = core.kv_usage()
         if core.has_work() or gen != self._last_generated:
+            spec = ""
+            if core.stats.spec_steps:
+                rate, per_step = 100 * core.stats.spec_acceptance_rate, core.stats.spec_tokens_per_step
+                spec = f", spec accepted {rate:.0f}% ({per_step:.2f} tokens a verification)"
             logger.info(
-                "running %d, waiting %d, KV used %.1f%% (cached %d), cache hit rate %.1f%%, gen %.1f tok/s",
+                "running %d, waiting %d, KV used %.1f%% (cached %d), cache hit rate %.1f%%, gen %.1f tok/s%s",
                 len(core.scheduler.running),
                 len(core.scheduler.waiting),
                 100.0 * kv["in_use_tokens"] / kv["total_tokens"],
                 kv["cached_tokens"],
                 100.0 * core.stats.cache_hit_rate,
                 (gen - self._last_generated) / (now - self._last_log),
+                spec,
             )
         self._last_log = now
         self._last_generated = gen

@@ -20,6 +20,7 @@ from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.speculative import NgramDrafter, can_speculate
 from radixserve.runtime.stats import EngineStats
 from radixserve.runtime.validation import validate_request
 
@@ -52,6 +53,10 @@ class EngineCore:
         # Constrained requests whose grammar is still compiling; they join the scheduler when it is ready.
         self.grammar_queue: list[Req] = []
         self.jump_forward = not config.disable_jump_forward
+        self.drafter = None
+        if config.speculative_algorithm:
+            k, lo, hi = config.speculative_num_draft_tokens, config.speculative_ngram_min, config.speculative_ngram_max
+            self.drafter = NgramDrafter(k, min_n=lo, max_n=hi)
 
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
@@ -170,6 +175,8 @@ class EngineCore:
         if i in result.errors:  # this step's KV is not computed (or not to be trusted): it is freed, not cached
             req.fail(result.errors[i].message, result.errors[i].code)
             return self._finish(req)
+        if chunk.draft:
+            return self._apply_draft(i, chunk, result, now)
         req.num_computed = chunk.end
         if result.prompt_logprobs and result.prompt_logprobs[i]:
             req.prompt_logprobs.extend(result.prompt_logprobs[i])
@@ -184,7 +191,40 @@ class EngineCore:
         self._append_token(req, token, result.logprobs[i], now)
         if not req.finished and req.grammar is not None and self.jump_forward and not req.params.return_logprob:
             self._jump_forward(req, now)
-        return self._finish(req) if req.finished else self._delta(req)
+        if req.finished:
+            return self._finish(req)
+        self._propose(req)
+        return self._delta(req)
+
+    def _apply_draft(self, i: int, chunk: ScheduledChunk, result: StepResult, now: float) -> ReqOutput | None:
+        """A verified speculative chunk: the accepted drafts and the token after them join the output (as far as
+        no stop condition ends it first); the slots of the rejected drafts go back to the pool."""
+        req = chunk.req
+        accepted = result.accepted.get(i, [])
+        token = result.next_tokens[i]
+        assert token is not None and self.drafter is not None
+        self.stats.spec_steps += 1
+        self.stats.spec_draft_tokens += len(chunk.draft)
+        self.stats.spec_accepted_tokens += len(accepted)
+        self.drafter.record(req, len(chunk.draft), len(accepted))
+        for t in [*accepted, token]:
+            self._append_token(req, t, None, now)
+            if req.finished:
+                break
+        # Computed KV: the last token and the accepted drafts (all of the output, when a stop cut it short).
+        req.num_computed = min(chunk.end + len(accepted), req.total)
+        self.cache.trim(req)
+        if req.finished:
+            return self._finish(req)
+        self._propose(req)
+        return self._delta(req)
+
+    def _propose(self, req: Req) -> None:
+        """Draft the next step's tokens for a request that may speculate (``runtime.speculative``)."""
+        if self.drafter is None or not can_speculate(req):
+            return
+        limit = min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.total) - 1
+        req.draft_ids = self.drafter.propose(req, limit) if limit > 0 else []
 
     def _jump_forward(self, req: Req, now: float) -> None:
         """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the

@@ -80,6 +80,12 @@ class KVCacheManager:
             self.allocator.free(freed)
         return self.allocator.alloc(n)
 
+    def trim(self, req: Req) -> None:
+        """Free the slots past the request's computed tokens (rejected speculative drafts)."""
+        if len(req.slots) > req.num_computed:
+            self.allocator.free(req.slots[req.num_computed :])
+            del req.slots[req.num_computed :]
+
     def cache_prefix(self, req: Req) -> None:
         """Hand the request's computed tokens to the tree (so others can share them while it runs) and keep a
         lock on them. Its private tail becomes empty."""

@@ -60,8 +60,9 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         extends: list[ExtendSeq] = []
         for chunk in plan.chunks:
-            req, s, e = chunk.req, chunk.start, chunk.end
-            input_ids.extend(req.all_ids[s:e])
+            req, s = chunk.req, chunk.start
+            e = s + chunk.num_tokens  # past any draft tokens, whose slots follow in req.slots
+            input_ids.extend(chunk.tokens)
             positions.extend(range(s, e))
             out_slots.extend(req.slots[s:e])
             if chunk.is_decode:
@@ -129,7 +130,7 @@ class ModelRunner:
         last_rows: list[int] = []
         offset = 0
         for chunk in plan.chunks:
-            offset += chunk.end - chunk.start
+            offset += chunk.num_tokens
             last_rows.append(offset - 1)
         # A chunk's last row attends to all of its KV, so a NaN or inf anywhere in this step's K/V of that request
         # shows there: such a request fails here, before its KV can be cached. (One sum per row costs 30x less
@@ -140,10 +141,14 @@ class ModelRunner:
 
         sample_idx: list[int] = []
         sample_rows: list[int] = []
+        verify: list[tuple[int, int]] = []  # (chunk, its first row) of chunks with drafts
+        accepted: dict[int, list[int]] = {}
         offset = 0
         for i, chunk in enumerate(plan.chunks):
-            length = chunk.end - chunk.start
-            if i not in errors:
+            length = chunk.num_tokens
+            if i not in errors and chunk.draft:
+                verify.append((i, offset))
+            elif i not in errors:
                 if chunk.sample and chunk.req.params.max_new_tokens > len(chunk.req.output_ids):
                     sample_idx.append(i)
                     sample_rows.append(offset + length - 1)
@@ -163,7 +168,31 @@ class ModelRunner:
                 logits = logits[self._tensor(keep)]
             if sample_idx:
                 self._sample(plan, sample_idx, logits, next_tokens, logprobs, errors)
-        return StepResult(next_tokens, logprobs, prompt_lps, errors)
+        if verify:
+            self._verify(plan, verify, hidden, next_tokens, accepted, errors)
+        return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted)
+
+    def _verify(
+        self,
+        plan: BatchPlan,
+        verify: list[tuple[int, int]],
+        hidden: torch.Tensor,
+        next_tokens: list[int | None],
+        accepted: dict[int, list[int]],
+        errors: dict[int, Failure],
+    ) -> None:
+        """Logits at every position of the chunks with drafts (one matmul), then each request's verification."""
+        rows = [r for i, first in verify for r in range(first, first + plan.chunks[i].num_tokens)]
+        logits = self.model.compute_logits(hidden[self._tensor(rows)]).float()
+        at = 0
+        for i, _ in verify:
+            chunk = plan.chunks[i]
+            n = chunk.num_tokens
+            try:
+                accepted[i], next_tokens[i] = self.sampler.verify(logits[at : at + n], chunk.req, chunk.draft)
+            except NonFiniteLogitsError as exc:
+                errors[i] = Failure(str(exc), ErrorCode.ENGINE)
+            at += n
 
     def _sample(
         self,

@@ -84,6 +84,10 @@ class Req:
         self.grammar: Any = None
         self.grammar_future: Any = None
         self.num_forced_tokens = 0
+        # Speculative decoding: draft tokens proposed for the next step (verified there, never in output_ids until
+        # accepted), and the drafter's per-request state (``runtime.speculative.SpecState``).
+        self.draft_ids: list[int] = []
+        self.spec: Any = None
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None

@@ -336,3 +336,37 @@ class Sampler:
                 entry.top = entry.top[: params[i].top_logprobs_num]
                 logprobs[i] = entry
         return SampleOutput(tokens.tolist(), logprobs)
+
+    def verify(self, logits: torch.Tensor, req: Req, draft: Sequence[int]) -> tuple[list[int], int]:
+        """``(accepted drafts, the token after them)`` from ``logits`` [len(draft) + 1, V']: row ``i`` is the
+        target's distribution for the token after draft ``i - 1`` (row 0: after the request's last token).
+
+        Greedy: a draft is kept while it equals the row's argmax; the next token is the argmax after the last
+        kept one. Sampled (the request's temperature, top_k, top_p, min_p): draft ``d`` at row ``i`` is kept with
+        probability ``p_i(d)`` (one uniform from the request's generator); a rejection draws from ``p_i`` with
+        ``d`` removed (one more), which is rejection sampling for a proposal that puts all its mass on ``d``: the
+        tokens come out distributed exactly as the target's. Speculating requests have no grammar, penalties or
+        logprobs (``runtime.speculative.can_speculate``), so rows need nothing else.
+        """
+        x = logits[: len(draft) + 1, : self.vocab_size]
+        if not bool(torch.isfinite(x.amax(dim=-1)).all()):
+            raise NonFiniteLogitsError([req.rid])
+        params = req.params
+        if params.greedy:
+            best = x.argmax(dim=-1).tolist()
+            kept = 0
+            while kept < len(draft) and draft[kept] == best[kept]:
+                kept += 1
+            return list(draft[:kept]), best[kept]
+        xs = _filter(x.to(torch.float32, copy=True), [params] * x.shape[0])
+        probs = torch.softmax(xs, dim=-1)
+        for i, d in enumerate(draft):
+            if self._uniform(req) < float(probs[i, d]):
+                continue
+            rest = xs[i : i + 1].clone()
+            rest[0, d] = _NEG_INF  # the target without the rejected draft (its mass, p_i(d) < 1, is what remains)
+            token = int(_draw(rest, torch.tensor([self._uniform(req)], dtype=torch.float64, device=x.device))[0])
+            return list(draft[:i]), token
+        last = xs[len(draft) : len(draft) + 1]
+        token = int(_draw(last, torch.tensor([self._uniform(req)], dtype=torch.float64, device=x.device))[0])
+        return list(draft), token

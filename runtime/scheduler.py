@@ -124,10 +124,27 @@ class Scheduler:
             self._relieve()
         shared = self.cache.shared_prefixes(decoding, MIN_SHARED_PREFIX)
         chunks = []
+        many = len(decoding) > self.config.speculative_max_batch
         for req, slot, prefix in zip(decoding, slots, shared):
             req.slots.append(slot)
-            chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True, shared_prefix=prefix))
+            draft = self._draft_slots(req, many)
+            if draft:
+                chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True, draft=draft))
+            else:
+                chunks.append(ScheduledChunk(req, req.num_computed, req.total, sample=True, shared_prefix=prefix))
         return chunks
+
+    def _draft_slots(self, req: Req, many: bool) -> tuple[int, ...]:
+        """The request's drafts, with a KV slot each, or none: when the batch is too large for greedy rows to
+        gain (see ``runtime.speculative``) or the pool has no spare slots (drafts never evict or retract)."""
+        draft, req.draft_ids = tuple(req.draft_ids), []
+        if not draft or (many and req.params.greedy) or self.cache.num_free < len(draft):
+            return ()
+        slots = self.cache.alloc(len(draft))
+        if slots is None:
+            return ()
+        req.slots.extend(slots)
+        return draft
 
     def _relieve(self) -> None:
         """Free KV for the others: retract a request, or, with one left, fail it (its KV is freed)."""

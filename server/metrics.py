@@ -140,10 +140,36 @@ class Metrics:
         self.cache_hits = Counter(
             f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache (at admission).", labels, registry=r
         )
+        # Speculative decoding, as vLLM's spec_decode counters: rate(accepted) / rate(draft) is the acceptance
+        # rate, (rate(accepted) + rate(verifications)) / rate(verifications) the tokens a verification yields.
+        self.spec_drafts = Counter(
+            f"{PREFIX}spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).", labels, registry=r
+        )
+        self.spec_accepted = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens accepted by verification.", labels, registry=r
+        )
+        self.spec_steps = Counter(
+            f"{PREFIX}spec_decode_num_verifications",
+            "Speculative verifications (one per request and step with drafts).",
+            labels,
+            registry=r,
+        )
         # Engine totals at the last scrape, per counter that follows one.
-        self._seen = {"retractions": 0, "evicted_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
+        self._seen = dict.fromkeys(
+            ("retractions", "evicted_tokens", "prompt_tokens", "cached_prompt_tokens")
+            + ("spec_draft_tokens", "spec_accepted_tokens", "spec_steps"),
+            0,
+        )
         self.model_name = model_name
-        for counter in (self.retractions, self.evicted, self.cache_queries, self.cache_hits):
+        for counter in (
+            self.retractions,
+            self.evicted,
+            self.cache_queries,
+            self.cache_hits,
+            self.spec_drafts,
+            self.spec_accepted,
+            self.spec_steps,
+        ):
             counter.labels(model_name)  # exported from the start, at 0, so that rate() has a first sample
         self.awaiting_grammar = 0  # compiles the server awaits before submitting (event-loop thread only)
         self._engine_grammar_queue = 0
@@ -194,6 +220,9 @@ class Metrics:
             ("evicted_tokens", self.evicted),
             ("prompt_tokens", self.cache_queries),
             ("cached_prompt_tokens", self.cache_hits),
+            ("spec_draft_tokens", self.spec_drafts),
+            ("spec_accepted_tokens", self.spec_accepted),
+            ("spec_steps", self.spec_steps),
         )
         for name, counter in followed:
             total = int(stats.get(name, 0))

@@ -34,6 +34,9 @@ from radixserve.runtime.kv_pool import KVPool
 MAX_WORKSPACE_BYTES = 512 * 2**20
 # Spare room when the workspace grows: decode rows get one token longer every step.
 WORKSPACE_GROWTH = 1.25
+# Chunks of at most this many tokens after a cached prefix attend on the decode kernel, a query per row: a
+# speculative verification or a jump-forward would otherwise gather the whole prefix in every layer.
+SHORT_EXTEND = 16
 
 
 @dataclass
@@ -55,7 +58,18 @@ class _StepState:
     decode: _DecodeLayout | None
     extend_index: tuple[torch.Tensor | None, ...]  # per extend with a cached prefix, ``_kv_rows`` of its slots
     whole_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # for layers with options (``masked``)
+    # Per extend: (slot table, lengths) when its queries run as decode rows of the kernel (``SHORT_EXTEND``).
+    short_extends: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per window: rows' tails
+
+
+def _query_rows(kv_slots: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's queries as kernel decode rows: the chunk's slot table for each, and the length each sees (the
+    query at offset ``i`` of ``q_len`` sees ``kv_len - q_len + i + 1`` keys)."""
+    kv_len = kv_slots.shape[0]
+    table = kv_slots[None, :].expand(q_len, kv_len).contiguous()
+    lens = torch.arange(kv_len - q_len + 1, kv_len + 1, device=kv_slots.device)
+    return table, lens
 
 
 def _windowed(slots: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +154,16 @@ class TorchReferenceBackend(AttentionBackend):
                 heads = torch.arange(n_kv, device=real.device) * pool.num_slots
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
                 decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
-        extends = tuple(None if s.kv_slots is None else _kv_rows(s.kv_slots, pool) for s in meta.extends)
-        return _StepState(decode, extends)
+        kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)
+        extends: list[torch.Tensor | None] = []
+        short: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for seq in meta.extends:
+            as_rows = kernel and seq.kv_slots is not None and seq.q_len <= SHORT_EXTEND
+            # A short chunk after a cached prefix (a speculative verification, a jump-forward's forced tokens): each
+            # query is a decode row of the kernel over the prefix up to itself, read in place (no gather).
+            short.append(_query_rows(seq.kv_slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
+            extends.append(None if seq.kv_slots is None or as_rows else _kv_rows(seq.kv_slots, pool))
+        return _StepState(decode, tuple(extends), short_extends=tuple(short))
 
     def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``kv.view(-1, D)[index]``, into the reused workspace when it is small enough."""
@@ -184,8 +206,12 @@ class TorchReferenceBackend(AttentionBackend):
         if decoded is not None:
             out[:nd] = decoded
         n_kv, d = kv.shape[1], kv.shape[3]
-        for seq, index in zip(meta.extends, state.extend_index, strict=True):
+        for seq, index, short in zip(meta.extends, state.extend_index, state.short_extends, strict=True):
             s, e = seq.q_start, seq.q_start + seq.q_len
+            if short is not None:
+                assert self._decode_kernel is not None
+                out[s:e] = self._decode_kernel(q[s:e].contiguous(), kv, short[0], short[1], d**-0.5)[0]
+                continue
             qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if index is None:
                 ks = k[s:e].transpose(0, 1).unsqueeze(0)

@@ -211,9 +211,13 @@ void int_rows(const QuantRows& xq, int64_t m0, int64_t K, const uint8_t* w, int6
 template <int64_t TYPE>
 void int_all(const QuantRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t bs, int64_t N, int64_t n0,
              int64_t n1, float* y) {
+  // Rows in groups of 4, the rest in one group of 3 or 2: each group reads the weights once (a speculative
+  // verification of 1-3 drafts, or 2-3 users decoding, is 2-4 rows).
   int64_t m0 = 0;
   for (; m0 + 4 <= M; m0 += 4) int_rows<TYPE, 4>(xq, m0, K, w, bs, N, n0, n1, y);
-  for (; m0 < M; ++m0) int_rows<TYPE, 1>(xq, m0, K, w, bs, N, n0, n1, y);
+  if (M - m0 == 3) int_rows<TYPE, 3>(xq, m0, K, w, bs, N, n0, n1, y);
+  if (M - m0 == 2) int_rows<TYPE, 2>(xq, m0, K, w, bs, N, n0, n1, y);
+  if (M - m0 == 1) int_rows<TYPE, 1>(xq, m0, K, w, bs, N, n0, n1, y);
 }
 
 void int_dispatch(const QuantRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t type, int64_t bs, int64_t N,
