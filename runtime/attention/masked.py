@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.runtime.attention.base import AttentionMetadata, AttnOptions
-from radixserve.runtime.kv_pool import KVPool
 
 
 def _attend(
@@ -54,7 +53,6 @@ def masked_attention(
     v: torch.Tensor,
     kv: torch.Tensor,  # this layer's pool tensor [2, Hkv, N, D], this step's K/V already written
     meta: AttentionMetadata,
-    pool: KVPool,
     full_rows: tuple[torch.Tensor, torch.Tensor] | None,  # decode rows' whole slot tables and lengths, or None
     opts: AttnOptions,
 ) -> torch.Tensor:

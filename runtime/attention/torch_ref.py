@@ -195,7 +195,7 @@ class TorchReferenceBackend(AttentionBackend):
             kv[0].index_copy_(1, meta.out_slots, k.transpose(0, 1))
             kv[1].index_copy_(1, meta.out_slots, v.transpose(0, 1))
         if not options.plain:
-            return self._with_options(q, k, v, kv, meta, pool, state, options)
+            return self._with_options(q, k, v, kv, meta, state, options)
         nd = meta.num_decode
         decoded = None
         if state.decode is not None:
@@ -234,7 +234,6 @@ class TorchReferenceBackend(AttentionBackend):
         v: torch.Tensor,
         kv: torch.Tensor,
         meta: AttentionMetadata,
-        pool: KVPool,
         state: _StepState,
         options: AttnOptions,
     ) -> torch.Tensor:
@@ -244,7 +243,7 @@ class TorchReferenceBackend(AttentionBackend):
         if not meta.num_decode or options.softcap is not None or kernel is None or not cpu_kernels.applies(
             kv.device, kv.dtype
         ):
-            return masked_attention(q, k, v, kv, meta, pool, self._whole_rows(meta, state), options)
+            return masked_attention(q, k, v, kv, meta, self._whole_rows(meta, state), options)
         slots, lens = self._whole_rows(meta, state) or (None, None)
         assert slots is not None and lens is not None
         if options.window is not None:
@@ -255,7 +254,7 @@ class TorchReferenceBackend(AttentionBackend):
         decoded = kernel(q[:nd].contiguous(), kv, slots, lens, scale)[0]
         if not meta.extends:
             return decoded
-        out = masked_attention(q, k, v, kv, meta, pool, None, options)
+        out = masked_attention(q, k, v, kv, meta, None, options)
         out[:nd] = decoded
         return out
 
