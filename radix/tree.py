@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sortedcontainers import SortedList
 
@@ -188,12 +188,13 @@ class RadixTree:
 
     # ------------------------------------------------------------------ freeing
 
-    def evict(self, num_tokens: int) -> list[int]:
+    def evict(self, num_tokens: int, on_evict: Callable[[TreeNode], None] | None = None) -> list[int]:
         """Free at least ``num_tokens`` tokens (all evictable ones if fewer), least recently used leaf first.
 
         Whole leaves go, so more than ``num_tokens`` may be freed. A parent whose last child goes becomes a
         candidate leaf itself. Locked nodes are never evicted. Returns the freed slots, which the caller gives
-        back to its allocator.
+        back to its allocator. ``on_evict(leaf)`` is called for each leaf just before it leaves the tree, while it
+        and every ancestor still hold their slots (the KV tier saves their contents then).
         """
         if num_tokens < 0:
             raise ValueError(f"evict needs a non-negative token count, got {num_tokens}")
@@ -201,6 +202,8 @@ class RadixTree:
         while len(freed) < num_tokens and self._lru:
             _, _, leaf = self._lru.pop(0)
             leaf.lru_entry = None
+            if on_evict is not None:
+                on_evict(leaf)
             parent = leaf.parent
             assert parent is not None  # the LRU only holds attached non-root leaves
             del parent.children[self._key(leaf.tokens, 0)]
@@ -230,6 +233,16 @@ class RadixTree:
         self._evictable = 0
         self._protected = 0
         return freed
+
+    def path(self, node: TreeNode) -> tuple[list[int], list[int]]:
+        """The tokens and slots from the root to the end of ``node`` (its whole cached prefix); O(its length)."""
+        nodes = self._path_to_root(node, "path")
+        tokens: list[int] = []
+        slots: list[int] = []
+        for n in reversed(nodes):
+            tokens.extend(n.tokens)
+            slots.extend(n.slots)
+        return tokens, slots
 
     def all_slots(self) -> list[int]:
         """Every slot held by the tree, in depth-first order (for accounting checks; O(tree))."""

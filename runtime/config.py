@@ -93,6 +93,21 @@ class EngineConfig:
     speculative_max_batch: int = _opt(
         8, "Greedy requests stop speculating while more than this many requests decode at once."
     )
+    enable_hierarchical_cache: bool = _opt(
+        False,
+        "KV tier: keep KV that leaves the pool in files under --hicache-dir, load it back when a prompt reaches it, "
+        "and save the radix cache there periodically and at shutdown, so a restarted server starts warm.",
+    )
+    hicache_dir: str = _opt(
+        "", "KV tier folder (a subfolder per model, dtype and KV layout); default: kv-tier in the cache dir."
+    )
+    hicache_size: float = _opt(16.0, "KV tier: GiB of files at most; the least recently used chunks go first.")
+    hicache_chunk_tokens: int = _opt(
+        64, "KV tier: tokens per stored chunk; a prefix is kept up to its last whole chunk."
+    )
+    hicache_persist_interval: float = _opt(
+        30.0, "KV tier: seconds between saves of the radix cache to the tier (0: only at shutdown)."
+    )
     grammar_compile_timeout: float = _opt(10.0, "Seconds a grammar may take to compile before the request fails.")
     grammar_workers: int = _opt(2, "Threads compiling grammars off the engine loop (plus one for expensive ones).")
     grammar_nice: int = _opt(
@@ -139,6 +154,17 @@ class EngineConfig:
             raise ValueError("need 1 <= --speculative-ngram-min <= --speculative-ngram-max")
         if self.speculative_max_batch < 1:
             raise ValueError(f"--speculative-max-batch must be >= 1, got {self.speculative_max_batch}")
+        if self.enable_hierarchical_cache:
+            if self.disable_radix_cache:
+                raise ValueError("--enable-hierarchical-cache extends the radix cache: drop --disable-radix-cache")
+            if self.tp > 1:
+                raise ValueError("--enable-hierarchical-cache is not supported with --tp > 1 yet; serve with --tp 1")
+        if self.hicache_size <= 0:
+            raise ValueError(f"--hicache-size must be > 0 GiB, got {self.hicache_size}")
+        if not 16 <= self.hicache_chunk_tokens <= 4096:
+            raise ValueError(f"--hicache-chunk-tokens must be in [16, 4096], got {self.hicache_chunk_tokens}")
+        if self.hicache_persist_interval < 0:
+            raise ValueError("--hicache-persist-interval must be >= 0 seconds (0: only at shutdown)")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("--grammar-compile-timeout must be > 0 seconds")
         if self.grammar_workers < 1:

@@ -16,11 +16,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixserve.constrained import CompiledGrammar, ConstraintSpec
+from radixserve.runtime import envs
 from radixserve.runtime.attention import TorchReferenceBackend, cpu_kernels
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.distributed import TensorParallelModel, finish_start, start_leader
@@ -29,6 +31,7 @@ from radixserve.runtime.engine_core import EngineCore
 from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
 from radixserve.runtime.grammar import GrammarSupport
 from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.memory import module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
@@ -41,6 +44,9 @@ logger = logging.getLogger("radixserve.engine")
 __all__ = ["Engine", "EngineDeadError", "EngineOverloadedError"]
 
 STATS_LOG_INTERVAL_S = 10.0
+# KV tier: seconds of copying the periodic save may take from the engine loop, and the whole save at shutdown.
+PERSIST_STEP_BUDGET_S = 0.05
+PERSIST_EXIT_S = 8.0
 
 
 class Engine(EngineAPI):
@@ -94,8 +100,19 @@ class Engine(EngineAPI):
         model = self._tp if self._tp is not None else loaded.model
         attention = TorchReferenceBackend(cpu_kernels=cpu_kernels.applies(loaded.device, loaded.dtype))
         runner = ModelRunner(model, pool, attention, sampler, loaded.device)
+        tier = None
+        if config.enable_hierarchical_cache:
+            layout = (args.num_layers, kv_heads, args.head_dim)
+            key = model_key(loaded.folder, loaded.dtype, config.quantization, layout, 0, config.tp)
+            directory = Path(config.hicache_dir).expanduser() if config.hicache_dir else envs.cache_dir() / "kv-tier"
+            capacity = int(config.hicache_size * 2**30)
+            tier = KVTier(TierConfig(directory, capacity, config.hicache_chunk_tokens, key), pool)
+            logger.info(
+                "KV tier: %s, up to %.1f GiB, chunks of %d tokens (%.1f MiB each)",
+                tier.dir, config.hicache_size, config.hicache_chunk_tokens, tier.chunk_bytes / 2**20,
+            )  # fmt: skip
         self.core = EngineCore(
-            config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len
+            config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len, tier
         )
         self.grammar = GrammarSupport(
             loaded.tokenizer,
@@ -121,6 +138,7 @@ class Engine(EngineAPI):
         self._stop = threading.Event()
         self.error: str | None = None
         self._last_log = time.monotonic()
+        self._last_persist = time.monotonic()
         self._last_generated = 0
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
@@ -202,6 +220,7 @@ class Engine(EngineAPI):
                 "num_waiting_requests": len(core.scheduler.waiting),
                 "kv_cache": core.kv_usage(),
                 "cache_stats": {**core.stats.as_dict(), "evicted_tokens": core.cache.evicted_tokens},
+                "kv_tier": core.cache.tier.info() if core.cache.tier is not None else None,
                 "grammar": {"queue": len(core.grammar_queue), **self.grammar.info()},
                 "max_context_len": self.max_context_len,
                 "device": str(self.device),
@@ -242,6 +261,7 @@ class Engine(EngineAPI):
                 self._dispatch(self.core.step())
                 self._publish_queue()
                 self._maybe_log()
+                self._maybe_persist()
         except Exception as exc:  # noqa: BLE001 - the loop must report why it died
             logger.exception("engine loop died")
             self.error = f"engine loop died: {type(exc).__name__}: {exc}"
@@ -256,6 +276,38 @@ class Engine(EngineAPI):
         core.grammar_queue = []
         self._dispatch([core._delta(req) or final_output(req) for req in reqs])
         self._fail_inbox()
+        if core.cache.tier is not None:
+            self._persist_at_exit(core.cache.tier)
+
+    def _maybe_persist(self) -> None:
+        """Save the radix cache to the KV tier every ``--hicache-persist-interval`` seconds (a little at a time:
+        what the writer has not caught up with waits for the next round)."""
+        interval = self.config.hicache_persist_interval
+        if self.core.cache.tier is None or not interval or time.monotonic() - self._last_persist < interval:
+            return
+        self.core.cache.persist(PERSIST_STEP_BUDGET_S)
+        self._last_persist = time.monotonic()
+
+    def _persist_at_exit(self, tier: KVTier) -> None:
+        """On a graceful stop, write the radix cache to the tier for a warm restart, within ``PERSIST_EXIT_S``."""
+        deadline = time.monotonic() + PERSIST_EXIT_S
+        done = False
+        if self.error is None:
+            try:
+                while not done and time.monotonic() < deadline:
+                    done = self.core.cache.persist(deadline - time.monotonic())
+                    if not done:
+                        tier.drain(min(0.5, max(0.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a failed save must not keep the process from stopping
+                logger.exception("saving the radix cache to the KV tier failed")
+        tier.close(max(0.0, deadline - time.monotonic()))
+        if self.error is None:
+            info = tier.info()
+            logger.info(
+                "KV tier: %s; %d chunks (%.1f MiB) kept for the next start",
+                "radix cache saved" if done else "radix cache partly saved (out of time)",
+                info["stored_chunks"], info["stored_bytes"] / 2**20,
+            )  # fmt: skip
 
     def _drain(self, block: bool) -> None:
         try:

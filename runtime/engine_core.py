@@ -17,6 +17,7 @@ from radixserve.runtime.detokenizer import IncrementalDetokenizer, StopChecker
 from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
 from radixserve.runtime.grammar import GrammarViolation, grammar_failure
 from radixserve.runtime.kv_cache import KVCacheManager
+from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
@@ -36,6 +37,7 @@ class EngineCore:
         eos_token_ids: set[int],
         vocab_size: int,
         max_context_len: int,
+        tier: KVTier | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -45,7 +47,7 @@ class EngineCore:
         self.max_context_len = max_context_len
         self.check_integrity = envs.check_integrity()
         self.cache = KVCacheManager(
-            runner.pool.num_slots, enable_radix=not config.disable_radix_cache, strict=self.check_integrity
+            runner.pool.num_slots, enable_radix=not config.disable_radix_cache, strict=self.check_integrity, tier=tier
         )
         self.scheduler = Scheduler(config, self.cache)
         self.stats = EngineStats()

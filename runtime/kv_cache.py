@@ -5,22 +5,32 @@ Every slot is in exactly one of three places, which ``check`` verifies:
   * the radix tree (shared prefixes; locked while a running request uses them, otherwise evictable);
   * a request's private tail ``req.slots[req.prefix_len:]``.
 So ``free + tree + private == total``. Only the scheduler thread calls this class.
+
+With a KV tier (``runtime.kv_tier``, ``--enable-hierarchical-cache``) KV that eviction frees is first saved to the
+tier, a request's admission extends its radix match with chunks the tier holds (loaded into newly allocated slots,
+which then join the tree like any computed prefix), and ``persist`` saves what the tree holds (periodically and at
+shutdown, for a warm restart). The tier holds no slots, so the accounting above is unchanged.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from radixserve.radix import RadixTree, TreeNode
 from radixserve.runtime.kv_pool import SlotAllocator
+from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.request import FinishReason, Req
 
 
 class KVCacheManager:
-    def __init__(self, num_slots: int, enable_radix: bool, strict: bool = False) -> None:
+    def __init__(self, num_slots: int, enable_radix: bool, strict: bool = False, tier: KVTier | None = None) -> None:
+        if tier is not None and not enable_radix:
+            raise ValueError("the KV tier extends the radix cache: it needs the radix cache on")
         self.num_slots = num_slots
         self.allocator = SlotAllocator(num_slots, strict=strict)
         self.tree: RadixTree | None = RadixTree() if enable_radix else None
+        self.tier = tier
         self.evicted_tokens = 0
 
     # --- sizes --------------------------------------------------------------------------------------------
@@ -67,7 +77,31 @@ class KVCacheManager:
         req.prefix_handle = match.node
         req.slots = list(match.slots)
         req.prefix_len = req.num_computed = len(match.slots)
+        if self.tier is not None and limit - req.prefix_len >= self.tier.chunk_tokens:
+            self._load_from_tier(req, limit)
         return req.prefix_len
+
+    def _load_from_tier(self, req: Req, limit: int) -> None:
+        """Extend the request's cached prefix with the chunks the tier holds right after it (up to ``limit``)."""
+        assert self.tier is not None
+        tier, c, start = self.tier, self.tier.chunk_tokens, req.prefix_len
+        first, last = start // c, limit // c
+        keys = tier.keys(req.all_ids, first, last)
+        found = 0
+        while found < len(keys) and tier.has(keys[found]):
+            found += 1
+        if not found:
+            return
+        end = (first + found) * c
+        slots = self.alloc(end - start)  # may evict (and save) others' prefixes; this request's is locked
+        if slots is None:
+            return
+        loaded = tier.load(keys[:found], req.all_ids, first, start, slots)
+        self.allocator.free(slots[loaded - start :])
+        if loaded > start:
+            req.slots.extend(slots[: loaded - start])
+            req.num_computed = loaded
+            self.cache_prefix(req)  # the loaded KV joins the tree, locked for this request
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` slots, evicting unlocked cached prefixes when the free list is short; ``None`` if impossible."""
@@ -75,10 +109,49 @@ class KVCacheManager:
         if short > 0:
             if self.tree is None or self.tree.evictable_size < short:
                 return None
-            freed = self.tree.evict(short)
+            freed = self.tree.evict(short, self._save_evicted if self.tier is not None else None)
             self.evicted_tokens += len(freed)
             self.allocator.free(freed)
         return self.allocator.alloc(n)
+
+    def _save_evicted(self, leaf: TreeNode) -> None:
+        """Save to the tier every chunk that ends inside ``leaf`` (see ``runtime.kv_tier``)."""
+        assert self.tier is not None and self.tree is not None
+        c = self.tier.chunk_tokens
+        tokens, slots = self.tree.path(leaf)
+        first, last = (len(tokens) - len(leaf.tokens)) // c, len(tokens) // c
+        if first < last:
+            for k, key in enumerate(self.tier.keys(tokens, first, last), start=first):
+                self.tier.save(key, tokens[k * c : (k + 1) * c], slots[k * c : (k + 1) * c])
+
+    def persist(self, budget_s: float) -> bool:
+        """Queue to the tier the chunks of the tree it does not hold yet (for a warm restart), for up to
+        ``budget_s`` seconds of copying and while its write queue has room; returns whether all were covered."""
+        if self.tier is None or self.tree is None:
+            return True
+        tier, c = self.tier, self.tier.chunk_tokens
+        deadline = time.monotonic() + budget_s
+        tokens: list[int] = []
+        slots: list[int] = []
+        keys: list[str] = []  # keys of the complete chunks of ``tokens``
+        # Depth-first with an explicit stack: when a node is popped, the first ``depth`` entries of the running
+        # lists are its parent's path (every sibling's subtree popped since shares that much).
+        stack = [(child, 0) for child in self.tree.root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            del tokens[depth:], slots[depth:], keys[depth // c :]
+            tokens.extend(node.tokens)
+            slots.extend(node.slots)
+            if len(tokens) // c > len(keys):
+                new = tier.keys(tokens, len(keys), len(tokens) // c, keys[-1] if keys else None)
+                for k, key in enumerate(new, start=len(keys)):
+                    if not tier.has(key):
+                        if not tier.has_room() or time.monotonic() > deadline:
+                            return False  # the writer is behind: the rest waits for the next call
+                        tier.save(key, tokens[k * c : (k + 1) * c], slots[k * c : (k + 1) * c])
+                keys.extend(new)
+            stack.extend((child, len(tokens)) for child in node.children.values())
+        return True
 
     def trim(self, req: Req) -> None:
         """Free the slots past the request's computed tokens (rejected speculative drafts)."""
@@ -194,3 +267,5 @@ class KVCacheManager:
             claim(req.slots[req.prefix_len :], f"request {req.rid}")
         if len(seen) != self.num_slots:
             raise RuntimeError(f"KV accounting: {self.num_slots - len(seen)} slots leaked")
+        if self.tier is not None:
+            self.tier.check()

@@ -12,6 +12,10 @@ Grammar queue: ``num_requests_waiting_grammar`` counts the requests whose constr
 server awaits before submitting (tracked live here) and those in the engine's own grammar queue (as of the last
 scrape). ``grammar_compiler`` carries the compiler's counters from ``server_info()["grammar"]`` (cache hits and
 misses, compiles, errors, timeouts, compile seconds, cache size), one series per ``stat``.
+
+KV tier (``--enable-hierarchical-cache``): ``kv_tier_*`` counters follow the tier's totals (tokens served from it,
+loads and their seconds, bytes read and written, chunks written, saves dropped for a full write queue, files
+skipped as invalid); ``kv_tier_stored_bytes`` / ``kv_tier_stored_chunks`` are gauges of what it holds.
 """
 
 from __future__ import annotations
@@ -154,6 +158,24 @@ class Metrics:
             labels,
             registry=r,
         )
+        tier_counters = {
+            "hit_tokens": "Prompt tokens whose KV was loaded from the KV tier instead of computed.",
+            "loads": "Loads from the KV tier (one per request admission that found chunks there).",
+            "load_seconds": "Seconds spent loading KV from the KV tier into the pool.",
+            "bytes_read": "Bytes of KV read from the KV tier's files.",
+            "bytes_written": "Bytes of KV written to the KV tier's files.",
+            "chunks_written": "KV chunks written to the KV tier.",
+            "writes_dropped": "KV chunks not saved because the tier's write queue was full.",
+            "files_skipped": "KV tier files skipped as invalid (truncated, corrupt, another model's).",
+        }
+        self.tier_counters = {
+            name: Counter(f"{PREFIX}kv_tier_{name}", doc, labels, registry=r) for name, doc in tier_counters.items()
+        }
+        self._tier_seen: dict[str, float] = dict.fromkeys(tier_counters, 0.0)
+        self.tier_bytes = Gauge(
+            f"{PREFIX}kv_tier_stored_bytes", "Bytes of KV files in the KV tier.", labels, registry=r
+        )
+        self.tier_chunks = Gauge(f"{PREFIX}kv_tier_stored_chunks", "KV chunks in the KV tier.", labels, registry=r)
         # Engine totals at the last scrape, per counter that follows one.
         self._seen = dict.fromkeys(
             ("retractions", "evicted_tokens", "prompt_tokens", "cached_prompt_tokens")
@@ -229,6 +251,15 @@ class Metrics:
             if total > self._seen[name]:  # the engine's totals only grow: export the increase as a counter
                 counter.labels(m).inc(total - self._seen[name])
                 self._seen[name] = total
+        tier = info.get("kv_tier") or {}
+        for name, counter in self.tier_counters.items():
+            total = float(tier.get(name, 0))
+            if total > self._tier_seen[name]:
+                counter.labels(m).inc(total - self._tier_seen[name])
+                self._tier_seen[name] = total
+        if tier:
+            self.tier_bytes.labels(m).set(tier.get("stored_bytes", 0))
+            self.tier_chunks.labels(m).set(tier.get("stored_chunks", 0))
         grammar = dict(info.get("grammar") or {})
         self._engine_grammar_queue = int(grammar.pop("queue", 0))
         self.grammar_wait(0)
