@@ -57,6 +57,12 @@ class KVCacheManager:
             return 0
         return self.tree.cached_prefix_len(tokens[: len(tokens) - 1])
 
+    def prefetch(self, tokens: Sequence[int]) -> None:
+        """Have the tier read ahead the chunks of a new request's prompt that lie past the tree's match."""
+        if self.tier is not None and self.tree is not None and len(tokens) > self.tier.chunk_tokens:
+            head = tokens[: len(tokens) - 1]  # admission always leaves the last token to compute
+            self.tier.prefetch(head, self.tree.cached_prefix_len(head))
+
     def admit(self, req: Req) -> int:
         """Attach the longest cached prefix of the request's tokens and lock it; returns its length.
 

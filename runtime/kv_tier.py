@@ -14,10 +14,11 @@ of such a chunk in its ancestors is still in the pool then: a parent leaves the 
 tokens after the last chunk boundary are dropped, at most ``chunk_tokens - 1`` per leaf.
 
 Threads. The scheduler thread calls ``save`` (copies the chunk's KV out of the pool at once, since its slots are
-about to be reused, and queues it), ``load`` and ``keys``; one writer thread writes the queued chunks and deletes
-the least recently used files beyond ``capacity_bytes``. The index, the queue and the counters are shared under
-one lock; the pool is touched only by the scheduler thread (``load`` writes slots that were just allocated and that
-no request has yet).
+about to be reused, and queues it), ``prefetch``, ``load`` and ``keys``; one writer thread writes the queued chunks
+and deletes the least recently used files beyond ``capacity_bytes``; one reader thread reads ahead the chunks of
+prompts that wait for admission (``prefetch``), so that ``load`` mostly copies from memory. The index, the queue,
+the read-ahead and the counters are shared under one lock; the pool is touched only by the scheduler thread
+(``load`` writes slots that were just allocated and that no request has yet).
 
 Never blocking the engine: a chunk waiting to be written is served from memory; past ``max_pending_bytes`` of
 queued chunks a save is dropped (counted), never waited for. A file is written under a temporary name and renamed
@@ -35,6 +36,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,10 +146,13 @@ class KVTier:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._queue: deque[tuple[str, list[int]]] = deque()
+        # Chunks being read ahead of their request's admission (``prefetch``), oldest first.
+        self._prefetched: OrderedDict[str, Future[torch.Tensor]] = OrderedDict()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="radixserve-kv-prefetch")
         self._closing = False
         self.stats = dict.fromkeys(
             ("hit_tokens", "loads", "load_seconds", "bytes_read", "bytes_written", "chunks_written")
-            + ("writes_dropped", "write_errors", "files_skipped"),
+            + ("writes_dropped", "write_errors", "files_skipped", "prefetch_reads"),
             0,
         )
         self._scan()
@@ -206,12 +211,12 @@ class KVTier:
                 on_disk = key in self._index
                 if on_disk:
                     self._index.move_to_end(key)
+                fut = self._prefetched.pop(key, None)
             if kv is None:
-                if not on_disk:
+                if not on_disk and fut is None:
                     break
                 try:
-                    kv = read_chunk(self.dir / f"{key}{SUFFIX}", self.config.model_key, key, chunk_tokens,
-                                    self.shape, self.pool._kv.dtype)  # fmt: skip
+                    kv = fut.result() if fut is not None else self._read(key, chunk_tokens)
                 except ChunkError as exc:
                     self._forget(key, f"skipped KV chunk file {key}{SUFFIX}: {exc}")
                     break
@@ -227,6 +232,41 @@ class KVTier:
                 self.stats["bytes_read"] += read
                 self.stats["load_seconds"] += time.perf_counter() - t0
         return pos
+
+    def _read(self, key: str, tokens: list[int]) -> torch.Tensor:
+        return read_chunk(self.dir / f"{key}{SUFFIX}", self.config.model_key, key, tokens, self.shape,
+                          self.pool._kv.dtype)  # fmt: skip
+
+    # --- prefetch -----------------------------------------------------------------------------------------
+    def prefetch(self, tokens: Sequence[int], from_pos: int) -> int:
+        """Start reading the chunks of ``tokens`` that the tier holds on disk, from the one containing ``from_pos``
+        on, on the reader thread: a request's prompt when it arrives, past what the radix tree holds, so that its
+        admission finds them in memory. At most ``max_pending_bytes / 2`` are held this way (the oldest finished
+        reads make room). Returns how many reads were started."""
+        c = self.chunk_tokens
+        first, last = from_pos // c, len(tokens) // c
+        if first >= last:
+            return 0
+        keys = self.keys(tokens, first, last)
+        limit = max(1, self.config.max_pending_bytes // 2 // self.chunk_bytes)
+        started = 0
+        with self._lock:
+            if self._closing:
+                return 0
+            for k, key in enumerate(keys, start=first):
+                if key in self._pending or key in self._prefetched:
+                    continue
+                if key not in self._index:
+                    break
+                while len(self._prefetched) >= limit and next(iter(self._prefetched.values())).done():
+                    self._prefetched.popitem(last=False)  # a read no admission took (an aborted request)
+                if len(self._prefetched) >= limit:
+                    break
+                chunk_tokens = list(tokens[k * c : (k + 1) * c])
+                self._prefetched[key] = self._reader.submit(self._read, key, chunk_tokens)
+                started += 1
+            self.stats["prefetch_reads"] += started
+        return started
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def drain(self, timeout: float) -> bool:
@@ -248,6 +288,7 @@ class KVTier:
             lost = len(self._queue)
             self._wake.notify_all()
         self._writer.join(timeout=max(1.0, timeout))
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._lock_file.close()
         if not done:
             logger.warning("KV tier: %d chunks were not written before the deadline; they are not kept", lost)

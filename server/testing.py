@@ -7,6 +7,7 @@ with ServerThread(create_app(engine, ServerConfig())) as srv:
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -23,6 +24,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> None:
+    """Poll ``url``/health of a server started as ``proc`` until it answers 200; fails (with what the process
+    printed, when its output is piped) if it exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else f"exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.2)
 
 
 class ServerThread:

@@ -26,7 +26,7 @@ from radixserve.runtime.kv_tier import KVTier, TierConfig, chain_keys
 from radixserve.runtime.kv_tier_file import ChunkError, read_chunk, write_chunk
 from radixserve.runtime.request import Req
 from radixserve.runtime.sampling_params import SamplingParams
-from radixserve.server.testing import free_port
+from radixserve.server.testing import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 16
@@ -97,6 +97,7 @@ def test_restart_starts_warm(tiny_model_dir: Path, tmp_path: Path, reference: di
         second.shutdown()
     _same(warm, reference[1])
     assert warm[2] == 192 and info["hit_tokens"] == 192 and info["stored_chunks"] >= 12
+    assert info["prefetch_reads"] == 12, "the files were read ahead when the request arrived"
 
 
 def _chunk_files(tier_dir: Path) -> list[Path]:
@@ -281,19 +282,6 @@ def test_config_refusals() -> None:
         EngineConfig(hicache_size=0)
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.2)
-
-
 def test_sigterm_then_restart_serves_warm(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The CLI: SIGTERM saves the radix cache; the next server on the same folder reports the prompt as cached
     (usage.prompt_tokens_details.cached_tokens), gives the same greedy output, and /metrics counts the tier."""
@@ -309,7 +297,7 @@ def test_sigterm_then_restart_serves_warm(tiny_model_dir: Path, tmp_path: Path) 
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            _wait_healthy(proc, url)
+            wait_healthy(proc, url)
             resp = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
             metrics = httpx.get(url + "/metrics", timeout=10).text
             proc.send_signal(signal.SIGTERM)

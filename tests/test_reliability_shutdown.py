@@ -20,7 +20,7 @@ import pytest
 
 from radixserve.runtime.engine import Engine
 from radixserve.server import ServerConfig, create_app
-from radixserve.server.testing import ServerThread, free_port
+from radixserve.server.testing import ServerThread, free_port, wait_healthy
 from tests.test_server_tiny import USER, assert_error, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,16 +156,7 @@ def test_sigterm_exits_zero_after_draining(tiny_model_dir: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         started, stream = _stream_in_background(url, LONG)
         assert started.wait(30)
         short = _post_in_background(url, "/v1/completions", SHORT)
