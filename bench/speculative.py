@@ -9,6 +9,11 @@ engine, the ratio, the acceptance rate and tokens per verification, and whether 
     python -m bench.speculative                        # dtype auto (bfloat16 where the CPU has native bf16)
     python -m bench.speculative --dtype float32 --rounds 3
     python -m bench.speculative --quantization none     # plain bfloat16 weights instead of the GGUF's blocks
+    python -m bench.speculative --identity              # greedy identity only: 32 prompts x 128 tokens, float32
+
+``--identity`` checks exactness instead of speed: 32 prompts (24 RAG, 8 free text) x ``--max-new-tokens``, greedy,
+radix cache on, all at once and one at a time, and 8 of them under a JSON schema; every output of the ngram engine
+must equal the plain engine's (``--dtype float32`` unless given).
 """
 
 from __future__ import annotations
@@ -59,8 +64,7 @@ def rag_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
             ask = f"Repeat, word for word, the paragraph that starts with {target.capitalize()}."
         else:
             ask = (
-                f"From the documents, copy the first sentence about {target} exactly, then copy it once more "
-                "in quotes."
+                f"From the documents, copy the first sentence about {target} exactly, then copy it once more in quotes."
             )
         prompts.append([{"role": "user", "content": f"Documents:\n\n{docs}\n\n{ask}"}])
     return prompts
@@ -96,6 +100,50 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, concu
     return tokens / seconds, outs
 
 
+IDENTITY_SCHEMA = {
+    "type": "object",
+    "properties": {"place": {"type": "string"}, "year": {"type": "integer"}, "summary": {"type": "string"}},
+    "required": ["place", "year", "summary"],
+}
+
+
+def identity(args: argparse.Namespace, common: dict[str, Any]) -> None:
+    """Greedy outputs of the ngram engine against the plain one (see the module doc); prints one line per mode."""
+    from radixserve.constrained import ConstraintSpec
+
+    engines = {
+        "plain": Engine(**common),
+        "ngram": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens),
+    }
+    try:
+        plain = engines["plain"]
+        prompts = _ids(plain, rag_prompts(24, seed=2) + free_prompts(8))
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+        spec = ConstraintSpec("json_schema", IDENTITY_SCHEMA)
+        schema = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, constraint=spec)
+        modes = [("all at once", prompts, params, True), ("one at a time", prompts, params, False)]
+        modes.append(("JSON schema, all at once", prompts[:8], schema, True))
+        for name, batch, p, together in modes:
+            outs = {}
+            for label, engine in engines.items():
+                engine.flush_cache()
+                if together:
+                    outs[label] = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=p)]
+                else:
+                    outs[label] = [engine.generate(input_ids=q, sampling_params=p)["output_ids"] for q in batch]
+            same = sum(a == b for a, b in zip(outs["plain"], outs["ngram"]))
+            tokens = sum(len(o) for o in outs["ngram"])
+            print(f"{name}: {same}/{len(batch)} identical ({tokens} tokens)", flush=True)
+        stats = engines["ngram"].server_info()["cache_stats"]
+        print(
+            f"ngram engine: {stats['spec_steps']} verifications, {stats['spec_accepted_tokens']} of "
+            f"{stats['spec_draft_tokens']} draft tokens accepted"
+        )
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -106,10 +154,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=3)
+    parser.add_argument("--identity", action="store_true", help="check greedy identity instead of timing")
     args = parser.parse_args(argv)
+    dtype = "float32" if args.identity and args.dtype == "auto" else args.dtype
     common: dict[str, Any] = dict(
-        model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization, max_total_tokens=32768
+        model=args.model, device="cpu", dtype=dtype, quantization=args.quantization, max_total_tokens=32768
     )
+    if args.identity:
+        identity(args, common)
+        return
     engines = {
         "plain": Engine(**common),
         "ngram": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens),

@@ -316,7 +316,8 @@ class KVTier:
 
     # --- internals ----------------------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Index the files a previous run left (oldest first); delete unfinished writes and stray files."""
+        """Index the chunk files a previous run left (oldest first) and delete its unfinished writes; other files
+        in the folder are left alone."""
         files, tmp = [], 0
         for path in self.dir.iterdir():
             if path.name.endswith(TMP_SUFFIX):

@@ -21,8 +21,7 @@ import torch
 
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
-from radixserve.runtime.kv_pool import KVPool
-from radixserve.runtime.kv_tier import KVTier, TierConfig, chain_keys
+from radixserve.runtime.kv_tier import chain_keys
 from radixserve.runtime.kv_tier_file import ChunkError, read_chunk, write_chunk
 from radixserve.runtime.request import Req
 from radixserve.runtime.sampling_params import SamplingParams
@@ -227,21 +226,29 @@ def test_chunk_file_checks(tmp_path: Path) -> None:
         read_chunk(tmp_path / "missing.kv", "model", "k", list(range(CHUNK)), tuple(kv.shape), torch.float32)
 
 
-def test_kill_during_write_leaves_nothing_servable(tmp_path: Path) -> None:
-    """A writer killed with SIGKILL in the middle of a chunk leaves only its temporary file; a new tier deletes
-    it and holds no chunk."""
+def test_kill_during_write_keeps_the_previous_state(
+    tiny_model_dir: Path, tmp_path: Path, reference: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer killed with SIGKILL in the middle of rewriting a chunk leaves the chunk's previous file as it was
+    and a temporary file; the next server deletes the latter (with a log line) and serves the prefix warm."""
+    prompts = _prompts(5, 200)
+    first = _engine(tiny_model_dir, tmp_path)
+    _run(first, prompts[4])
+    first.shutdown()
+    folder = _chunk_files(tmp_path)[0].parent
+    key = chain_keys(folder.name, prompts[4], CHUNK)[5]
+    before = (folder / f"{key}.kv").read_bytes()
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
         "from radixserve.runtime.kv_tier_file import write_chunk\n"
         "kv = torch.zeros(256, 2**20)  # 1 GiB: the write takes a while\n"
         "print('writing', flush=True)\n"
-        "write_chunk(Path(sys.argv[1]) / ('a' * 32 + '.kv'), 'm', 'a' * 32, [1], kv)\n"
+        "write_chunk(Path(sys.argv[1]) / (sys.argv[3] + '.kv'), sys.argv[2], sys.argv[3], [1], kv)\n"
     )
-    folder = tmp_path / "m"
-    folder.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", script, str(folder)], env=env, stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-c", script, str(folder), folder.name, key]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
         deadline = time.monotonic() + 60
@@ -253,15 +260,20 @@ def test_kill_during_write_leaves_nothing_servable(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not list(folder.glob("*.kv")) and list(folder.glob("*.tmp"))
-    pool = KVPool(8, 2, 2, 16, torch.float32, torch.device("cpu"))
-    tier = KVTier(TierConfig(tmp_path, 2**30, CHUNK, "m"), pool)
+        if proc.stdout:
+            proc.stdout.close()
+    assert (folder / f"{key}.kv").read_bytes() == before and len(list(folder.glob("*.tmp"))) == 1
+    caplog.set_level(logging.INFO, logger="radixserve.kv_tier")
+    second = _engine(tiny_model_dir, tmp_path)
     try:
-        assert tier.info()["stored_chunks"] == 0
-        assert not tier.has("a" * 32)
+        out = _run(second, prompts[4])
+        info = second.server_info()["kv_tier"]
     finally:
-        tier.close()
-    assert not list(folder.iterdir()) or [p.name for p in folder.iterdir()] == [".lock"]
+        second.shutdown()
+    _same(out, reference[4])
+    assert out[2] == 192 and info["files_skipped"] == 0
+    assert "removed 1 unfinished chunk writes" in caplog.text
+    assert not list(folder.glob("*.tmp"))
 
 
 def test_one_process_per_folder(tiny_model_dir: Path, tmp_path: Path) -> None:

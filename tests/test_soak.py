@@ -58,9 +58,17 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
 
 
-@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
-def soak_server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, Engine]]:
-    engine_class = Engine if request.param == "engine-thread" else EngineProcess
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process", "speculation-and-kv-tier"])
+def soak_server(
+    tiny_model_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerThread, Engine]]:
+    engine_class = EngineProcess if request.param == "engine-process" else Engine
+    # The third run adds n-gram speculation (drafts get slots and give back the rejected ones) and the disk tier
+    # (evicted prefixes are saved and loaded back) to the same traffic.
+    extra: dict[str, Any] = {}
+    if request.param == "speculation-and-kv-tier":
+        extra = {"speculative_algorithm": "ngram", "enable_hierarchical_cache": True, "hicache_chunk_tokens": 16}
+        extra["hicache_dir"] = str(tmp_path_factory.mktemp("kv-tier"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RADIXSERVE_CHECK_INTEGRITY", "1")
         engine = engine_class(
@@ -70,6 +78,7 @@ def soak_server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterato
             chunked_prefill_size=96,
             max_running_requests=12,
             max_queued_requests=4096,
+            **extra,
         )
     try:
         with ServerThread(create_app(engine, ServerConfig(served_model_name="tiny"))) as srv:
@@ -328,10 +337,15 @@ def test_soak(soak_server: tuple[ServerThread, Engine]) -> None:
     assert done >= NUM_REQUESTS // 2 and cancelled >= NUM_REQUESTS // 5
     stats = info["cache_stats"]
     assert stats["evicted_tokens"] > 0, "the pool was sized so that cached prefixes get evicted"
+    tier = info.get("kv_tier")
+    if engine.config.speculative_algorithm:
+        assert stats["spec_steps"] > 0 and stats["spec_accepted_tokens"] > 0, "drafts were verified and accepted"
+        assert tier is not None and tier["chunks_written"] > 0 and tier["files_skipped"] == 0
     kinds = Counter(o.kind for o in outcomes)
     print(
         f"\nsoak: {NUM_REQUESTS} requests in {elapsed:.1f}s by {CONCURRENCY} clients: {done} completed and checked, "
         f"{cancelled} cancelled ({sum(o.aborted for o in outcomes)} by /abort_request mid-run); kinds {dict(kinds)}; "
         f"retractions {stats.get('retractions')}, evicted tokens {stats['evicted_tokens']}, "
-        f"cache hit rate {stats.get('cache_hit_rate', 0):.2f}"
+        f"cache hit rate {stats.get('cache_hit_rate', 0):.2f}, speculative verifications {stats.get('spec_steps')}, "
+        f"KV tier {tier}"
     )
