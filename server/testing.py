@@ -26,6 +26,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def reap(proc: subprocess.Popen) -> None:
+    """Kill a server process a test started, if it is still running, and close its output pipe."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    if proc.stdout:
+        proc.stdout.close()
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> None:
     """Poll ``url``/health of a server started as ``proc`` until it answers 200; fails (with what the process
     printed, when its output is piped) if it exits first or ``timeout_s`` passes."""

@@ -25,7 +25,7 @@ from radixserve.runtime.kv_tier import chain_keys
 from radixserve.runtime.kv_tier_file import ChunkError, read_chunk, write_chunk
 from radixserve.runtime.request import Req
 from radixserve.runtime.sampling_params import SamplingParams
-from radixserve.server.testing import free_port, wait_healthy
+from radixserve.server.testing import free_port, reap, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 16
@@ -49,6 +49,19 @@ def _run(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float], int
     out = engine.generate(input_ids=prompt, sampling_params=PARAMS)
     meta = out["meta_info"]
     return out["output_ids"], [lp.logprob for lp in meta["output_token_logprobs"]], meta["cached_tokens"]
+
+
+def _serve_once(model: Path, tier_dir: Path, prompt: list[int], **overrides: Any) -> tuple[tuple, dict[str, Any]]:
+    """A fresh engine on the tier folder answers ``prompt`` and stops (saving its radix cache): the output and the
+    tier's counters."""
+    engine = _engine(model, tier_dir, **overrides)
+    try:
+        out = _run(engine, prompt)
+        info = engine.server_info()["kv_tier"]
+        engine.check_kv()
+    finally:
+        engine.shutdown()
+    return out, info
 
 
 def _same(a: tuple[list[int], list[float], int], b: tuple[list[int], list[float], int]) -> None:
@@ -124,13 +137,7 @@ def test_bad_files_are_skipped(
     path3.write_bytes(bytes(raw))
     (tier_dir / f"{order[7]}.kv.999.tmp").write_bytes(b"half a write")
     caplog.set_level(logging.INFO, logger="radixserve.kv_tier")
-    second = _engine(tiny_model_dir, tmp_path)
-    try:
-        out = _run(second, prompts[2])
-        info = second.server_info()["kv_tier"]
-        second.check_kv()
-    finally:
-        second.shutdown()
+    out, info = _serve_once(tiny_model_dir, tmp_path, prompts[2])
     _same(out, reference[2])
     assert out[2] == 3 * CHUNK
     assert info["files_skipped"] == 1
@@ -159,12 +166,7 @@ def test_another_models_files_are_never_served(
     for theirs, ours in zip(chain_keys(bf16_dir.name, prompts[3], CHUNK), chain_keys(f32_dir.name, prompts[3], CHUNK)):
         (f32_dir / f"{ours}.kv").write_bytes((bf16_dir / f"{theirs}.kv").read_bytes())
     caplog.set_level(logging.INFO, logger="radixserve.kv_tier")
-    third = _engine(tiny_model_dir, tmp_path)
-    try:
-        out = _run(third, prompts[3])
-        info = third.server_info()["kv_tier"]
-    finally:
-        third.shutdown()
+    out, info = _serve_once(tiny_model_dir, tmp_path, prompts[3])
     _same(out, reference[3])
     assert out[2] == 0 and info["files_skipped"] == 1
     assert "written for another model" in caplog.text
@@ -264,12 +266,7 @@ def test_kill_during_write_keeps_the_previous_state(
             proc.stdout.close()
     assert (folder / f"{key}.kv").read_bytes() == before and len(list(folder.glob("*.tmp"))) == 1
     caplog.set_level(logging.INFO, logger="radixserve.kv_tier")
-    second = _engine(tiny_model_dir, tmp_path)
-    try:
-        out = _run(second, prompts[4])
-        info = second.server_info()["kv_tier"]
-    finally:
-        second.shutdown()
+    out, info = _serve_once(tiny_model_dir, tmp_path, prompts[4])
     _same(out, reference[4])
     assert out[2] == 192 and info["files_skipped"] == 0
     assert "removed 1 unfinished chunk writes" in caplog.text
@@ -316,11 +313,7 @@ def test_sigterm_then_restart_serves_warm(tiny_model_dir: Path, tmp_path: Path) 
             assert proc.wait(timeout=60) == 0
             log = proc.stdout.read() if proc.stdout else ""
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            if proc.stdout:
-                proc.stdout.close()
+            reap(proc)
         assert "radix cache saved" in log, log[-2000:]
         results.append((resp, metrics))
     (cold, _), (warm, metrics) = results

@@ -20,7 +20,7 @@ import pytest
 
 from radixserve.runtime.engine import Engine
 from radixserve.server import ServerConfig, create_app
-from radixserve.server.testing import ServerThread, free_port, wait_healthy
+from radixserve.server.testing import ServerThread, free_port, reap, wait_healthy
 from tests.test_server_tiny import USER, assert_error, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,9 +172,5 @@ def test_sigterm_exits_zero_after_draining(tiny_model_dir: Path) -> None:
         log = proc.stdout.read() if proc.stdout else ""
         assert "shutting down: " in log and "aborting 1 unfinished" in log, log[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        if proc.stdout:
-            proc.stdout.close()
+        reap(proc)
 
