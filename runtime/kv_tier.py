@@ -374,7 +374,9 @@ class KVTier:
                 size = write_chunk(self.dir / f"{key}{SUFFIX}", self.config.model_key, key, tokens, kv)
             except OSError as exc:
                 size = -1
-                logger.warning("KV tier: writing a chunk failed (%s); it is not kept", exc)
+                if self.stats["write_errors"] % 100 == 0:  # a full disk fails every write: say so, not 10^4 times
+                    logger.warning("KV tier: writing a chunk failed (%s); it is not kept (%d failures so far)", exc,
+                                   self.stats["write_errors"] + 1)  # fmt: skip
             victims: list[str] = []
             with self._lock:
                 del self._pending[key]

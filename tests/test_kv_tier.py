@@ -326,3 +326,27 @@ def test_sigterm_then_restart_serves_warm(tiny_model_dir: Path, tmp_path: Path) 
     )
     hits = [ln for ln in metrics.splitlines() if ln.startswith("radixserve:kv_tier_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) == (prompt_tokens - 1) // CHUNK * CHUNK
+
+
+def test_a_failing_disk_loses_chunks_not_the_engine(
+    tiny_model_dir: Path, tmp_path: Path, reference: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every write failing (a full disk): the chunks are not kept, counted, and the engine serves on."""
+    import radixserve.runtime.kv_tier as kv_tier
+
+    def full_disk(*args: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_tier, "write_chunk", full_disk)
+    prompts = _prompts(5, 200)
+    engine = _engine(tiny_model_dir, tmp_path)
+    try:
+        for i in (0, 1, 2, 0):
+            _same(_run(engine, prompts[i]), reference[i])
+        engine.core.cache.tier.drain(10)
+        info = engine.server_info()["kv_tier"]
+        engine.check_kv()
+    finally:
+        engine.shutdown()
+    assert info["write_errors"] > 0 and info["chunks_written"] == 0 and info["stored_chunks"] == 0
+    assert info["pending_bytes"] == 0
