@@ -72,7 +72,7 @@ class EngineCore:
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
         req.stop_checker = StopChecker(req.params.stop) if req.params.stop else None
         self._by_rid[req.rid] = req
-        self.cache.prefetch(req.all_ids)
+        self.cache.prefetch(req)
         if req.grammar_future is not None:
             self.grammar_queue.append(req)
         else:

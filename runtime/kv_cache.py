@@ -57,11 +57,22 @@ class KVCacheManager:
             return 0
         return self.tree.cached_prefix_len(tokens[: len(tokens) - 1])
 
-    def prefetch(self, tokens: Sequence[int]) -> None:
+    def prefetch(self, req: Req) -> None:
         """Have the tier read ahead the chunks of a new request's prompt that lie past the tree's match."""
-        if self.tier is not None and self.tree is not None and len(tokens) > self.tier.chunk_tokens:
-            head = tokens[: len(tokens) - 1]  # admission always leaves the last token to compute
-            self.tier.prefetch(head, self.tree.cached_prefix_len(head))
+        if self.tier is None or self.tree is None:
+            return
+        head = req.all_ids[: req.total - 1]  # admission always leaves the last token to compute
+        first, last = self.tree.cached_prefix_len(head) // self.tier.chunk_tokens, len(head) // self.tier.chunk_tokens
+        if first < last:
+            self.tier.prefetch(self._chunk_keys(req, last)[first:], head, first)
+
+    def _chunk_keys(self, req: Req, end: int) -> list[str]:
+        """The tier's keys of the request's chunks ``0 .. end - 1``, hashed once per request (``Req.tier_keys``)."""
+        assert self.tier is not None
+        have = req.tier_keys
+        if len(have) < end:
+            have.extend(self.tier.keys(req.all_ids, len(have), end, have[-1] if have else None))
+        return have[:end]
 
     def admit(self, req: Req) -> int:
         """Attach the longest cached prefix of the request's tokens and lock it; returns its length.
@@ -92,7 +103,7 @@ class KVCacheManager:
         assert self.tier is not None
         tier, c, start = self.tier, self.tier.chunk_tokens, req.prefix_len
         first, last = start // c, limit // c
-        keys = tier.keys(req.all_ids, first, last)
+        keys = self._chunk_keys(req, last)[first:]
         found = 0
         while found < len(keys) and tier.has(keys[found]):
             found += 1
@@ -128,7 +139,7 @@ class KVCacheManager:
         first, last = (len(tokens) - len(leaf.tokens)) // c, len(tokens) // c
         if first < last:
             for k, key in enumerate(self.tier.keys(tokens, first, last), start=first):
-                self.tier.save(key, tokens[k * c : (k + 1) * c], slots[k * c : (k + 1) * c])
+                self.tier.save(key, k, tokens, slots)
 
     def persist(self, budget_s: float) -> bool:
         """Queue to the tier the chunks of the tree it does not hold yet (for a warm restart), for up to
@@ -154,7 +165,7 @@ class KVCacheManager:
                     if not tier.has(key):
                         if not tier.has_room() or time.monotonic() > deadline:
                             return False  # the writer is behind: the rest waits for the next call
-                        tier.save(key, tokens[k * c : (k + 1) * c], slots[k * c : (k + 1) * c])
+                        tier.save(key, k, tokens, slots)
                 keys.extend(new)
             stack.extend((child, len(tokens)) for child in node.children.values())
         return True

@@ -176,21 +176,22 @@ class KVTier:
             return key in self._index or key in self._pending
 
     # --- save ---------------------------------------------------------------------------------------------
-    def save(self, key: str, tokens: list[int], slots: Sequence[int]) -> bool:
-        """Copy one chunk's KV out of the pool and queue it for writing; ``False`` when it is already kept or the
-        queue is full (the chunk is then simply not kept)."""
+    def save(self, key: str, k: int, tokens: Sequence[int], slots: Sequence[int]) -> bool:
+        """Copy chunk ``k`` (key ``key``) of a cached path (``tokens`` and their ``slots``) out of the pool and
+        queue it for writing; ``False`` when it is already kept or the queue is full (then it is not kept)."""
         with self._lock:
             if key in self._index or key in self._pending or self._closing:
                 return False
             if self._pending_bytes + self.chunk_bytes > self.config.max_pending_bytes:
                 self.stats["writes_dropped"] += 1
                 return False
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.pool._kv.device)
+        c = self.chunk_tokens
+        idx = torch.tensor(slots[k * c : (k + 1) * c], dtype=torch.long, device=self.pool._kv.device)
         kv = self.pool._kv.index_select(3, idx).cpu()
         with self._lock:
             self._pending[key] = kv
             self._pending_bytes += self.chunk_bytes
-            self._queue.append((key, list(tokens)))
+            self._queue.append((key, list(tokens[k * c : (k + 1) * c])))
             self._wake.notify_all()
         return True
 
@@ -238,16 +239,12 @@ class KVTier:
                           self.pool._kv.dtype)  # fmt: skip
 
     # --- prefetch -----------------------------------------------------------------------------------------
-    def prefetch(self, tokens: Sequence[int], from_pos: int) -> int:
-        """Start reading the chunks of ``tokens`` that the tier holds on disk, from the one containing ``from_pos``
-        on, on the reader thread: a request's prompt when it arrives, past what the radix tree holds, so that its
+    def prefetch(self, keys: list[str], tokens: Sequence[int], first: int) -> int:
+        """Start reading chunks ``first, first + 1, ...`` (``keys``) of ``tokens`` that the tier holds on disk, on
+        the reader thread: a request's prompt when it arrives, past what the radix tree holds, so that its
         admission finds them in memory. At most ``max_pending_bytes / 2`` are held this way (the oldest finished
         reads make room). Returns how many reads were started."""
         c = self.chunk_tokens
-        first, last = from_pos // c, len(tokens) // c
-        if first >= last:
-            return 0
-        keys = self.keys(tokens, first, last)
         limit = max(1, self.config.max_pending_bytes // 2 // self.chunk_bytes)
         started = 0
         with self._lock:

@@ -88,6 +88,9 @@ class Req:
         # accepted), and the drafter's per-request state (``runtime.speculative.SpecState``).
         self.draft_ids: list[int] = []
         self.spec: Any = None
+        # KV tier: chain keys of the complete chunks of ``all_ids`` hashed so far (``all_ids`` only grows, so they stay
+        # valid); owned by ``KVCacheManager``, which extends them instead of hashing the prompt at every admission.
+        self.tier_keys: list[str] = []
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None
