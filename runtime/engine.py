@@ -67,6 +67,7 @@ class Engine(EngineAPI):
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.model_folder = loaded.folder
+        self.load_seconds = loaded.load_seconds
         self.device = loaded.device
         self.dtype = loaded.dtype
         args = loaded.args

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,9 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
+from radixserve.runtime.host_memory import returning_freed_memory
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
+from radixserve.runtime.models.families import checkpoint_names
 from radixserve.runtime.models.linear import prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.quant import QUANTIZERS
@@ -37,6 +39,7 @@ class LoadedModel:
     device: torch.device
     eos_token_ids: set[int]
     name: str
+    load_seconds: float = 0.0  # building the model, reading and packing its weights (not the tokenizer)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -140,9 +143,13 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
         tensors = [("blocks " + q.qtype, q.data)] if q is not None else []
         tensors += [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
         for kind, t in tensors:
-            if t.data_ptr() in seen:
+            # A meta weight was released for its packed copy, which has its bytes (and is this module's own).
+            key = id(t) if t.device.type == "meta" else t.data_ptr()
+            if key in seen:
                 continue
-            seen.add(t.data_ptr())
+            seen.add(key)
+            if t.device.type == "meta":
+                kind += " packed"
             entry = formats.setdefault(kind, [0, 0])
             entry[0] += 1
             entry[1] += t.nbytes
@@ -151,7 +158,15 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     return f"activations {str(dtype).removeprefix('torch.')}, weights {total / 2**20:.1f} MiB ({parts})"
 
 
-def load_model(config: EngineConfig, *, lean_tokenizer: bool = False) -> LoadedModel:
+def load_model(
+    config: EngineConfig,
+    *,
+    lean_tokenizer: bool = False,
+    shard: Callable[[LlamaForCausalLM], Callable[[Iterable[tuple[str, Any]]], Iterator[tuple[str, Any]]]] | None = None,
+) -> LoadedModel:
+    """Build the model on the meta device, let ``shard`` (tensor parallelism) cut it down to one rank's shard
+    and return what cuts the checkpoint's tensors to match, load the weights one tensor at a time, then pack
+    them for the CPU kernels (``prepack``: the plain copy goes, layer by layer, unless --keep-plain-weights)."""
     start = time.perf_counter()
     folder = model_folder(config)
     hf_config = load_hf_config(folder)
@@ -159,10 +174,15 @@ def load_model(config: EngineConfig, *, lean_tokenizer: bool = False) -> LoadedM
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
-    with one_intra_op_thread():
+    load_start = time.perf_counter()
+    with one_intra_op_thread(), returning_freed_memory():
         model = build_model(args, dtype, device)
-        model.load_weights(model_weights(folder, hf_config, config, device), device=device)
-        prepack(model)
+        weights = checkpoint_names(args.architecture, model_weights(folder, hf_config, config, device))
+        if shard is not None:  # (cuts go by the decoder's names)
+            weights = shard(model)(weights)
+        model.load_weights(weights, device=device)
+        prepack(model, keep_plain=config.keep_plain_weights)
+    load_seconds = time.perf_counter() - load_start
     logger.info(
         "loaded %s (%s, %d layers) on %s in %.1fs: %s",
         config.model,
@@ -181,4 +201,5 @@ def load_model(config: EngineConfig, *, lean_tokenizer: bool = False) -> LoadedM
         device=device,
         eos_token_ids=_eos_ids(folder, hf_config, tokenizer),
         name=config.model,
+        load_seconds=load_seconds,
     )

@@ -104,6 +104,8 @@ def module_bytes(module: torch.nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
+        if t.device.type == "meta":  # a weight released for its packed copy, counted below
+            continue
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.nbytes

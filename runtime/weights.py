@@ -15,11 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.runtime.json_file import read_json_object
 from radixserve.runtime.lean_tokenizer import LeanTokenizer
+from radixserve.runtime.safetensors_read import iter_file, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +44,7 @@ def count_tensors(folder: Path) -> int:
     """How many tensors ``iter_weights(folder)`` yields (reads only the safetensors headers)."""
     total = 0
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            total += len(list(f.keys()))
+        total += len(read_header(file)[0])
     return total
 
 
@@ -54,7 +53,8 @@ def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, 
 
     Invariants: each name is yielded exactly once (a name present in two files raises ValueError, since a
     silent overwrite would load the wrong weights); tensors keep the dtype they were stored in (casting is
-    the consumer's job); files are read in sorted order, tensors in each file's key order. A tqdm bar
+    the consumer's job); files are read in sorted order, tensors in each file's key order, each into memory of its
+    own (``runtime.safetensors_read``: no memory map keeps the file resident). A tqdm bar
     ("Loading weights") on stderr counts tensors unless ``progress`` is False.
     """
     files = safetensors_files(folder)
@@ -68,16 +68,15 @@ def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, 
         dynamic_ncols=True,
     ) as bar:
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    if name in seen:
-                        raise ValueError(
-                            f"tensor {name!r} appears in both {seen[name].name} and {file.name}; "
-                            "remove the stale safetensors file from the model folder"
-                        )
-                    seen[name] = file
-                    yield name, f.get_tensor(name)
-                    bar.update(1)
+            for name, tensor in iter_file(file):
+                if name in seen:
+                    raise ValueError(
+                        f"tensor {name!r} appears in both {seen[name].name} and {file.name}; "
+                        "remove the stale safetensors file from the model folder"
+                    )
+                seen[name] = file
+                yield name, tensor
+                bar.update(1)
 
 
 # What transformers' config classes fill in when config.json leaves a field out, per model_type (only the fields

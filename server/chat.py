@@ -122,20 +122,42 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: s
     source = _template_source(tokenizer, template_override)
     if tools and "tools" not in source:
         messages, tools = _with_tools_system_message(messages, tools), None
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
+    def render(msgs: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(
+            msgs,
             tools=tools,
             add_generation_prompt=True,
             tokenize=False,
             chat_template=template_override or None,
             **kwargs,
         )
+
+    try:
+        text = render(messages)
     except Exception as exc:  # noqa: BLE001 - Jinja errors (incl. a template's raise_exception) are the client's
         if not source:
             raise bad_request(
                 "this model has no chat template; use /v1/completions or start the server with --chat-template",
                 "messages",
             ) from None
-        raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+        folded = _system_folded_into_user(messages)
+        try:  # templates without a system role (Gemma 2) refuse it: its text goes to the first user turn instead
+            text = render(folded) if folded is not None else None
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            text = None
+        if text is None:
+            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
     return text, offer_tools
+
+
+def _system_folded_into_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The leading system messages' text put before the first user message's (what Gemma's own templates do where
+    they take a system prompt at all), or None when there is no leading system message or no user message after."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n == 0 or n == len(messages) or messages[n]["role"] != "user":
+        return None
+    system = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    first = dict(messages[n], content=f"{system}\n\n{messages[n]['content']}" if system else messages[n]["content"])
+    return [first, *messages[n + 1 :]]

@@ -1,10 +1,10 @@
 """Each served model family against HuggingFace transformers, on tiny random-weight configs built here.
 
-Per family: final logits of a whole prefill, of a chunked prefill into scattered slots and of a decode step
-within 1e-4 of HF's (the windowed families with a 16-token window, so the 23-token prompt and its chunks cross
-it); then through the engine, with the radix cache on, 16-token prefill chunks and 8 requests batched that share
-a 70-token prefix (a shared-prefix group), greedy output identical to HF ``generate`` for 32 tokens, which run
-past the window.
+Per family (Llama 3.x with its RoPE scaling, Qwen2.5, and the others below): final logits of a whole prefill, of
+a chunked prefill into scattered slots and of a decode step within 1e-4 of HF's (the windowed families with a
+16-token window, so the 23-token prompt and its chunks cross it); then through the engine, with the radix cache
+on, 16-token prefill chunks and 8 requests batched that share a 70-token prefix (a shared-prefix group), greedy
+output identical to HF ``generate`` for 32 tokens, which run past the window.
 """
 
 from __future__ import annotations
@@ -22,9 +22,19 @@ from tests.tiny_model import make_tiny_model
 
 WINDOW = 16
 FAMILIES = {
+    # Llama 3.1's RoPE scaling on a 128K-context config (the original context shortened to 64, so the scaled band
+    # covers the test's positions).
+    "llama-rope-llama3": {
+        "max_position_embeddings": 131072,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64},
+    },  # fmt: skip
+    "qwen2": {},  # Qwen2.5 (q/k/v biases)
     "qwen3": {},
     "mistral": {"sliding_window": WINDOW},
     "phi3": {"sliding_window": WINDOW},
+    # Phi-4-mini's shape of RoPE: only the first 3/4 of each head rotates, the rest passes through.
+    "phi3-partial-rotary": {"partial_rotary_factor": 0.75, "sliding_window": WINDOW},
     "gemma2": {"sliding_window": WINDOW},
     # Gemma 3 alternates local and global layers by layer_types, each kind with its own RoPE base.
     "gemma3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
@@ -36,20 +46,26 @@ FAMILIES = {
         "mlp_only_layers": [1],
         "norm_topk_prob": True,
     },
+    # Mixtral: top-2 of 4 experts on every layer (block_sparse_moe, w1/w2/w3 in the checkpoint), a window.
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
 }
 NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    arch = request.param
-    folder = tmp_path_factory.mktemp(arch)
-    return make_tiny_model(folder, arch=arch, num_layers=3, config_overrides=FAMILIES[arch], seed=1)
+    name = request.param
+    folder = tmp_path_factory.mktemp(name + "-")  # (mktemp numbers it: NAME-0)
+    overrides = dict(FAMILIES[name])
+    positions = overrides.pop("max_position_embeddings", 2048)
+    return make_tiny_model(
+        folder, arch=name.split("-")[0], num_layers=3, config_overrides=overrides, max_position=positions, seed=1
+    )
 
 
 def test_logits_match_hf(family_dir: Path) -> None:
     ours = assert_logits_match_hf(family_dir)
-    if "qwen3" not in family_dir.name:  # (and qwen3_moe)
+    if "sliding_window" in FAMILIES[family_dir.name.rpartition("-")[0]]:
         assert any(w == WINDOW for w in ours.args.layer_windows)  # the window is honoured, not ignored
 
 

@@ -1,10 +1,15 @@
-"""Megatron-style tensor parallelism applied to a loaded model, gpt-fast style: the model code stays plain.
+"""Megatron-style tensor parallelism applied to the model before its weights are loaded, gpt-fast style: the model
+code stays plain.
 
-``shard_model`` cuts a full ``LlamaForCausalLM`` down to one rank's shard in place:
+``shard_model`` cuts a full ``LlamaForCausalLM``, built on the meta device, down to one rank's shard in place, and
+returns the function that cuts each checkpoint tensor to that shard as it is read (``ShardCuts``): a rank never
+holds more of the full model than the one tensor in flight, so its memory at load is about its shard's.
   * the merged q/k/v and gate/up projections are column-parallel (each rank keeps its heads / its slice of the MLP
     width, cut from each projection separately);
   * o and down projections are row-parallel, followed by one all-reduce each (a forward hook), so every rank ends
     each layer with the full hidden state;
+  * a mixture of experts keeps its router whole and splits every expert as the dense MLP is split, with one
+    all-reduce after the whole block instead of one per expert;
   * the embedding and the vocabulary projection are split by vocabulary rows (padded to equal shards): the
     embedding all-reduces its partial lookups; ``compute_logits`` returns this rank's logit columns, which the
     leader gathers.
@@ -16,6 +21,7 @@ the full model; a row-parallel bias is added once (rank 0 keeps it, the others h
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -23,21 +29,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.runtime.models.linear import Linear, prepack
-from radixserve.runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs
+from radixserve.runtime.models.linear import Linear
+from radixserve.runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs, SparseMoE
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:
     """Raise ``ValueError`` saying what to change when ``args`` cannot be split over ``world`` ranks."""
     if world < 1:
         raise ValueError(f"--tp must be >= 1, got {world}")
-    if world > 1 and args.moe_layers:
-        raise ValueError(f"{args.architecture} (mixture of experts) cannot be split with --tp yet; use --tp 1")
-    for what, n in (
+    sizes = [
         ("attention heads", args.num_heads),
         ("key/value heads", args.num_kv_heads),
         ("MLP width (intermediate_size)", args.intermediate_size),
-    ):
+    ]
+    if args.moe_layers:
+        sizes.append(("expert MLP width (moe_intermediate_size)", args.moe_intermediate_size))
+    for what, n in sizes:
         if n % world:
             divisors = [d for d in range(1, n + 1) if n % d == 0 and args.num_kv_heads % d == 0]
             raise ValueError(
@@ -92,15 +99,21 @@ def _colwise(linear: MergedLinear, rank: int, world: int) -> None:
 
 
 def _rowwise(linear: nn.Linear, rank: int, world: int, group: Any) -> None:
+    """Row-parallel: this rank's slice of the inputs; the partial outputs are summed by an all-reduce after the
+    layer, or, with ``group`` None, after the module that owns it (the experts of a ``SparseMoE``)."""
     linear.weight = nn.Parameter(linear.weight.data.chunk(world, dim=1)[rank].clone(), requires_grad=False)
     if linear.bias is not None and rank != 0:
         linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
     linear.in_features //= world
+    if group is not None:
+        _all_reduce_output(linear, group)
 
+
+def _all_reduce_output(module: nn.Module, group: Any) -> None:
     def reduce(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
         dist.all_reduce(out, group=group)
 
-    linear.register_forward_hook(reduce)
+    module.register_forward_hook(reduce)
 
 
 def _vocab_rows(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:
@@ -111,21 +124,77 @@ def _vocab_rows(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tens
     return shard, start
 
 
-def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any) -> None:
-    """Turn the full ``model`` into rank ``rank``'s shard of ``world`` (in place); see the module docstring."""
+class ShardCuts:
+    """Checkpoint tensor name -> this rank's piece of it, the same cut ``shard_model`` made of the parameter; a
+    name it does not know (norms, a single-process model) passes whole."""
+
+    def __init__(self) -> None:
+        self.plan: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        cut = self.plan.get(name)
+        return tensor if cut is None else cut(tensor)
+
+    def cut(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:
+            yield name, self(name, tensor)
+
+    def colwise(self, owner: str, name: str, linear: MergedLinear, rank: int, world: int) -> None:
+        """A merged projection's parts (q/k/v, gate/up) are cut by rows, each on its own; a checkpoint that holds
+        the merged tensor whole (Phi-3) is cut piece by piece. Call it before the projection itself is sharded
+        (its ``parts`` are still the full sizes)."""
+        full = list(linear.parts.values())
+        for leaf in ("weight", "bias"):
+            for part in linear.parts:
+                self.plan[f"{owner}.{part}.{leaf}"] = lambda t: _rows(t, rank, world)
+            self.plan[f"{name}.{leaf}"] = lambda t, full=full: torch.cat(
+                [_rows(piece, rank, world) for piece in t.split(full, dim=0)]
+            )
+
+    def rowwise(self, name: str, rank: int, world: int) -> None:
+        self.plan[f"{name}.weight"] = lambda t: t.chunk(world, dim=1)[rank].clone()
+        self.plan[f"{name}.bias"] = (lambda t: t) if rank == 0 else torch.zeros_like
+
+    def vocab(self, name: str, rank: int, world: int) -> None:
+        self.plan[name] = lambda t: _vocab_rows(t, rank, world)[0]
+
+
+def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any) -> ShardCuts:
+    """Turn the full ``model`` into rank ``rank``'s shard of ``world`` (in place; see the module docstring) and
+    return the cuts its checkpoint tensors need. Shard a model built on the meta device, before loading: the
+    weights' data is not cut here, and a packed copy made of a full weight would be stale."""
     args = model.args
     check_shardable(args, world)
+    cuts = ShardCuts()
     if world == 1:
-        return
-    for layer in model.model.layers:
+        return cuts
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
         attn = layer.self_attn
+        cuts.colwise(f"{prefix}.self_attn", f"{prefix}.self_attn.qkv_proj", attn.qkv_proj, rank, world)
         _colwise(attn.qkv_proj, rank, world)
+        cuts.rowwise(f"{prefix}.self_attn.o_proj", rank, world)
         _rowwise(attn.o_proj, rank, world, group)
         attn.num_heads //= world
         attn.num_kv_heads //= world
         mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            # Every rank routes every token (the router is whole) and runs its slice of each expert hit; the
+            # weighted partial sums of all experts are all-reduced once, after the block.
+            for e, expert in enumerate(mlp.experts):
+                name = f"{prefix}.mlp.experts.{e}"
+                cuts.colwise(name, f"{name}.gate_up_proj", expert.gate_up_proj, rank, world)
+                _colwise(expert.gate_up_proj, rank, world)
+                cuts.rowwise(f"{name}.down_proj", rank, world)
+                _rowwise(expert.down_proj, rank, world, None)
+            _all_reduce_output(mlp, group)
+            continue
+        cuts.colwise(f"{prefix}.mlp", f"{prefix}.mlp.gate_up_proj", mlp.gate_up_proj, rank, world)
         _colwise(mlp.gate_up_proj, rank, world)
+        cuts.rowwise(f"{prefix}.mlp.down_proj", rank, world)
         _rowwise(mlp.down_proj, rank, world, group)
+    cuts.vocab("model.embed_tokens.weight", rank, world)
+    cuts.vocab("lm_head.weight", rank, world)
     embed_rows, start = _vocab_rows(model.model.embed_tokens.weight.data, rank, world)
     model.model.embed_tokens = VocabParallelEmbedding(embed_rows, start, group)
     head = Linear(args.hidden_size, embed_rows.shape[0], bias=False, device=embed_rows.device)
@@ -134,4 +203,4 @@ def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any) -> N
     else:
         head.weight = nn.Parameter(_vocab_rows(model.lm_head.weight.data, rank, world)[0], requires_grad=False)
     model.lm_head = head
-    prepack(model)  # the shards replaced the weights: repack them (and drop the full model's packed copies)
+    return cuts

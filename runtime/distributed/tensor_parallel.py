@@ -146,8 +146,9 @@ def start_leader(config: EngineConfig) -> tuple[LoadedModel, Groups, list[Any], 
     try:
         torch.set_num_threads(threads_per_rank(layout.per_node))
         groups = init_groups(layout, init_addr, device)
-        loaded = load_model(replace(config, device=str(device)))
-        shard_model(loaded.model, 0, config.tp, groups.model)
+        loaded = load_model(
+            replace(config, device=str(device)), shard=lambda m: shard_model(m, 0, config.tp, groups.model).cut
+        )
     except BaseException:
         for p in procs:
             p.kill()
@@ -199,9 +200,11 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
     device = device_for(resolve_device(config.device), layout.local_rank)
     torch.set_num_threads(threads_per_rank(layout.per_node))
     groups = init_groups(layout, init_addr, device)
-    loaded = load_model(replace(config, device=str(device)))
+    loaded = load_model(
+        replace(config, device=str(device)),
+        shard=lambda m: shard_model(m, layout.rank, layout.world, groups.model).cut,
+    )
     model, args = loaded.model, loaded.args
-    shard_model(model, layout.rank, layout.world, groups.model)
     _, num_slots = broadcast_command(None, groups.control)
     kv_heads = args.num_kv_heads // layout.world
     pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, device)

@@ -26,6 +26,7 @@ class ModelArgs:
     architecture: str
     # Family options; the defaults are plain Llama.
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head, 0: all (partial_rotary_factor)
     layer_windows: tuple[int | None, ...] = ()  # per layer: the sliding window, or None (empty: none anywhere)
     local_rope: tuple[float, dict[str, Any] | None] | None = None  # (theta, scaling) of windowed layers (Gemma 3)
     attn_scale: float | None = None  # score scale instead of head_dim ** -0.5 (Gemma)

@@ -9,6 +9,8 @@ copy of the decoder. An architecture not listed is refused with the supported li
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from radixserve.runtime.models.args import ModelArgs
@@ -20,6 +22,7 @@ SUPPORTED_ARCHITECTURES = frozenset(
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
         "Phi3ForCausalLM",
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
@@ -27,7 +30,17 @@ SUPPORTED_ARCHITECTURES = frozenset(
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Families whose HF attention applies ``sliding_window`` to every layer when it is set (no ``layer_types``).
-WINDOW_EVERYWHERE = ("MistralForCausalLM", "Phi3ForCausalLM")
+WINDOW_EVERYWHERE = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+# Checkpoint names that differ from the shared decoder's, per family: (regex, replacement), applied in order.
+CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    # Mixtral's experts: w1 = gate, w3 = up, w2 = down, under block_sparse_moe (Qwen3-MoE's names are ours).
+    "MixtralForCausalLM": (
+        (r"\.block_sparse_moe\.", ".mlp."),
+        (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+        (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."),
+        (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."),
+    ),
+}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -84,8 +97,9 @@ def model_args(cfg: Any) -> ModelArgs:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     partial = float((getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) or 1.0)
     partial = float(getattr(cfg, "partial_rotary_factor", partial) or partial)
-    if partial != 1.0:
-        raise ValueError(f"{arch} with partial_rotary_factor {partial} is not supported (only full rotary)")
+    rotary_dim = int(head_dim * partial)  # HF's rounding (Phi-4-mini: 0.75 of 128)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of {head_dim}")
     # HF Llama's attention_bias puts a bias on q, k, v and o; Qwen2 has q/k/v biases only.
     llama_bias = arch not in ("Qwen2ForCausalLM",) and bool(getattr(cfg, "attention_bias", False))
     (theta, scaling), local = _ropes(cfg, arch)
@@ -113,6 +127,7 @@ def model_args(cfg: Any) -> ModelArgs:
         qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
         o_bias=llama_bias,
         architecture=arch,
+        rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         layer_windows=windows if any(w is not None for w in windows) else (),
         local_rope=local if local is not None and any(w is not None for w in windows) else None,
@@ -128,9 +143,18 @@ def model_args(cfg: Any) -> ModelArgs:
 
 
 def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
-    """Qwen3-MoE: layer ``i`` is sparse unless listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th."""
+    """Qwen3-MoE: layer ``i`` is sparse unless listed in ``mlp_only_layers``, every ``decoder_sparse_step``-th.
+    Mixtral: every layer is sparse, each expert as wide as ``intermediate_size``, the top-k weights renormalized."""
     # transformers >= 5 writes num_experts as num_local_experts.
     experts = int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", 0) or 0)
+    if arch == "MixtralForCausalLM" and experts:
+        return {
+            "moe_layers": (True,) * layers,
+            "num_experts": experts,
+            "experts_per_token": int(cfg.num_experts_per_tok),
+            "moe_intermediate_size": int(cfg.intermediate_size),
+            "norm_topk_prob": True,
+        }
     if arch != "Qwen3MoeForCausalLM":
         experts = 0
     if not experts:
@@ -144,6 +168,15 @@ def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
         "moe_intermediate_size": int(cfg.moe_intermediate_size),
         "norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False)),
     }
+
+
+def checkpoint_names(arch: str, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors under the shared decoder's names (``CHECKPOINT_RENAMES``)."""
+    renames = [(re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ())]
+    for name, tensor in weights:
+        for pattern, repl in renames:
+            name = pattern.sub(repl, name)
+        yield name, tensor
 
 
 def _cap(value: Any) -> float | None:

@@ -7,9 +7,15 @@ decode row to a 2,048-token prefill chunk (SmolLM2-135M, 8 rows: 58 ms -> 26 ms 
 on one thread), because a decode step streams all the weights and the packed layout streams them at about twice
 the bandwidth. The results differ from MKL's in float rounding only (~1e-7 relative).
 
-The packed copy is made once per weight (``prepack``, which the loader calls, or on first use) and remade whenever
-the weight changes (loading, tensor-parallel sharding, a dtype cast), so the parameters stay ordinary tensors with
-HF names. It costs a second copy of the linear weights in memory; ``RADIXSERVE_ONEDNN_LINEAR=0`` turns it off.
+The packed copy is made once per weight, on first use or by ``prepack``, which the loader calls after the weights
+are in (and, under tensor parallelism, sharded). ``prepack`` then releases the plain weight (the parameter becomes
+a meta tensor of the same shape and dtype), one layer at a time, so that a served model holds each linear weight
+once and loading never holds both copies of more than one layer. A weight another module still reads (an LM
+head tied to the embedding) is not packed at all: its packed copy would be a second copy of the embedding (9% of
+a 1B Llama's weights); it runs ``F.linear`` (or the small-row kernel), which on the 2-core AMD EPYC costs 11.2 ->
+19.7 ms at 16 rows of a 1B model's 49152x2048 head and nothing at 1-4 rows. ``keep_plain=True`` (the engine's
+``--keep-plain-weights``) keeps every plain weight beside its packed copy, for the small-row bfloat16 kernel below,
+at twice the linear weights' memory. ``RADIXSERVE_ONEDNN_LINEAR=0`` turns packing off (plain weights, ``F.linear``).
 
 In bfloat16, on a CPU with AMX or AVX-512 BF16 (the 2-core Intel Xeon with AMX, 2 threads), oneDNN's packed
 kernels beat ``F.linear`` (which reaches oneDNN without the reorder) 1.4-2x up to 64 rows: 8 rows of a
@@ -141,6 +147,9 @@ class Linear(_Quantizable, nn.Linear):
     _packed_key: tuple[int, int] | None = None
     _small: object | None = None  # the small-row bfloat16 kernel for this weight, or None (see forward)
     _small_key: int | None = None  # data_ptr of the weight ``_small`` was decided for
+    # Only the packed copy is left (``release_plain``): ``weight`` is a meta tensor, ``_packed`` is the weight.
+    _released: bool = False
+    _pack_allowed: bool = True  # False: this weight is shared (a tied head) and is not packed (see prepack)
 
     def reset_parameters(self) -> None:
         """No random initialization: the weights always come from a checkpoint (and on the meta device the
@@ -149,13 +158,15 @@ class Linear(_Quantizable, nn.Linear):
 
     def _eligible(self) -> bool:
         w = self.weight
-        if w is None:  # quantized
+        if w is None or not self._pack_allowed:  # quantized, or shared
             return False
         return w.device.type == "cpu" and not torch.is_grad_enabled() and onednn_usable(w.dtype)
 
     def pack(self) -> torch.Tensor | None:
         """The packed copy of the current weight, (re)made if the weight changed since the last one; ``None`` where
         oneDNN does not apply (then ``forward`` takes ``F.linear``)."""
+        if self._released:
+            return self._packed
         w = self.weight
         # In-place writes (loading) bump _version; replacing the tensor (sharding, casts) moves data_ptr. (A weight
         # made inside inference_mode has no version counter: replace such a weight rather than write into it.)
@@ -170,9 +181,25 @@ class Linear(_Quantizable, nn.Linear):
                     logger.info("oneDNN cannot pack a %s weight (%s); using F.linear for it", tuple(w.shape), exc)
         return self._packed
 
+    def release_plain(self) -> bool:
+        """Keep only the packed copy of the weight (made now if needed); the parameter becomes a meta tensor of the
+        same shape and dtype, so shapes still read right but its data is gone for good. False (nothing released)
+        where there is no packed copy. Call it only once the weight is final: loaded, sharded, cast."""
+        if self._released:
+            return True
+        packed = self.pack() if self._eligible() else None
+        if packed is None:
+            return False
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self._released, self._small = True, None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
+        if self._released:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         w = self.weight
         # One user decoding: the bfloat16 small-row kernel. What it needs of the weight is checked once per weight
         # (a decode step makes ~120 of these calls; each check is a few microseconds of Python).
@@ -201,10 +228,26 @@ class Embedding(_Quantizable, nn.Embedding):
         return super().forward(ids)
 
 
-def prepack(model: nn.Module) -> None:
-    """Pack every ``Linear`` of ``model`` now (after loading, casting or sharding), so that the first step does not
-    pay for it and the memory is taken before the KV pool is sized."""
+def prepack(model: nn.Module, *, keep_plain: bool = False) -> None:
+    """Pack every ``Linear`` of ``model`` now (after loading, sharding or casting: the weights must be final), so
+    that the first step does not pay for it and the memory is taken before the KV pool is sized. Each plain
+    weight is released as soon as its packed copy exists (see the module doc) unless ``keep_plain``; a weight
+    another module (a tied embedding) also holds is not packed unless ``keep_plain``."""
+    shared = {
+        p.data_ptr()
+        for m in model.modules()
+        if not isinstance(m, Linear)
+        for p in m.parameters(recurse=False)
+        if p.device.type != "meta"
+    }
     with torch.inference_mode():
         for module in model.modules():
-            if isinstance(module, Linear) and module.qtype is None:
-                module.pack()
+            if not isinstance(module, Linear) or module.qtype is not None:
+                continue
+            if module._released:
+                continue
+            module._pack_allowed = keep_plain or module.weight.data_ptr() not in shared
+            if keep_plain or not module._pack_allowed:
+                module.pack()  # (drops a stale packed copy where packing is no longer allowed)
+            else:
+                module.release_plain()

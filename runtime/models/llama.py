@@ -19,7 +19,7 @@ from torch import nn
 from radixserve.runtime.attention.base import AttnOptions, ForwardContext
 from radixserve.runtime.models import fused, loading
 from radixserve.runtime.models.args import ModelArgs
-from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES
+from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES, checkpoint_names
 from radixserve.runtime.models.linear import Embedding, Linear
 from radixserve.runtime.models.rope import RotaryEmbedding
 
@@ -77,6 +77,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = args.qk_norm
+        self.rotary_dim = args.rotary_dim or d
         self.options = AttnOptions(window=args.window(layer), scale=args.attn_scale, softcap=args.attn_softcap)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
@@ -86,8 +87,12 @@ class Attention(nn.Module):
         qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
         if self.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
-        # q and k sit side by side: RoPE rotates both in one go, in place.
-        qk = fused.rope_(qk, *rope)
+        # q and k sit side by side: RoPE rotates both in one go, in place (with a partial rotary factor, the first
+        # rotary_dim dims of each head, the rest passing through).
+        if self.rotary_dim == d:
+            qk = fused.rope_(qk, *rope)
+        else:
+            fused.rope_(qk[..., : self.rotary_dim], *rope)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
         o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v, self.options)
         return self.o_proj(o.reshape(t, h * d))
@@ -110,9 +115,9 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts (Qwen3-MoE), over the flat token batch: the router picks ``experts_per_token`` experts
-    per token; each expert hit runs once on all of its tokens (one gather, one MLP, one scatter-add), so the cost
-    follows the tokens routed, not tokens times experts."""
+    """Top-k routed experts (Qwen3-MoE, Mixtral), over the flat token batch: the router picks ``experts_per_token``
+    experts per token; each expert hit runs once on all of its tokens (one gather, one MLP, one scatter-add), so
+    the cost follows the tokens routed, not tokens times experts."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -170,14 +175,15 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        rotary = args.rotary_dim or args.head_dim
         self.rope = RotaryEmbedding(
-            args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
+            rotary, args.max_position_embeddings, args.rope_theta, args.rope_scaling, dtype
         )
         # Gemma 3's local (windowed) layers rotate with a RoPE of their own.
         self.local_rope = None
         if args.local_rope is not None:
             theta, scaling = args.local_rope
-            self.local_rope = RotaryEmbedding(args.head_dim, args.max_position_embeddings, theta, scaling, dtype)
+            self.local_rope = RotaryEmbedding(rotary, args.max_position_embeddings, theta, scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -209,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.args.tie_word_embeddings:
             return
         embed = self.model.embed_tokens
-        quantized = embed.quant
+        quantized = getattr(embed, "quant", None)  # a tensor-parallel embedding has no blocks
         if quantized is not None:
             self.lm_head.set_quantized(quantized)
         else:
@@ -239,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
         skip = {"lm_head.weight"} if self.args.tie_word_embeddings else set()
+        weights = checkpoint_names(self.args.architecture, weights)
         if self.args.norm_offset:
             weights = _offset_norms(weights, self.args.norm_offset)
         seen = loading.load_weights(self, weights, merged, _merged_target, device=device, skip=skip)

@@ -1,0 +1,114 @@
+"""Lean loading: tensors read into memory of their own (no file map kept resident), each linear weight held once
+after packing, a tied head left unpacked, and a tensor-parallel rank cutting its shard out of each tensor as it
+is read (including checkpoints that store q/k/v and gate/up fused, and the experts of MoE models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.loader import load_model
+from radixserve.runtime.models.linear import Linear, onednn_usable
+from radixserve.runtime.safetensors_read import iter_file
+from radixserve.runtime.sampling_params import SamplingParams
+from tests.tiny_model import make_tiny_model
+
+
+def test_reader_gives_what_safetensors_gives(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=gen),
+        "bf16": torch.randn(4, 8, generator=gen).to(torch.bfloat16),
+        "f16": torch.randn(7, generator=gen).to(torch.float16),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(10, dtype=torch.uint8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    file = tmp_path / "t.safetensors"
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    got = dict(iter_file(file))
+    with safe_open(str(file), framework="pt") as f:
+        assert list(got) == list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
+        for name in f.keys():  # noqa: SIM118
+            want = f.get_tensor(name)
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape
+            assert torch.equal(got[name], want)
+
+
+def test_reader_names_the_file_and_tensor_when_the_file_is_damaged(tmp_path: Path) -> None:
+    file = tmp_path / "t.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(1000)}, str(file))
+    data = file.read_bytes()
+    file.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=r"truncated: tensor 'b'"):
+        list(iter_file(file))
+    file.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError, match="unreadable safetensors header"):
+        list(iter_file(file))
+    file.write_bytes(b"\x01")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        list(iter_file(file))
+
+
+@pytest.mark.skipif(not onednn_usable(torch.float32), reason="oneDNN's packed linear is not usable here")
+def test_packing_releases_each_plain_weight_but_a_tied_head_stays_plain(tiny_model_dir: Path) -> None:
+    base = EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32")
+    lean = load_model(base).model
+    kept = load_model(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", keep_plain_weights=True))
+    assert lean.args.tie_word_embeddings
+    for name, module in lean.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        assert module.weight.device.type == "meta", name  # the packed copy is the weight now
+        assert module._packed is not None and tuple(module.weight.shape) == (module.out_features, module.in_features)
+    head = lean.lm_head
+    assert head.weight is lean.model.embed_tokens.weight and head.pack() is None  # tied: one copy, not packed
+    assert all(p.device.type == "cpu" for p in kept.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (name, a), (_, b) in zip(lean.named_modules(), kept.model.named_modules(), strict=True):
+            if not isinstance(a, Linear):
+                continue
+            for rows in (1, 4, 40):  # the released layers answer as the plain ones do
+                x = torch.randn(rows, a.in_features, generator=gen)
+                torch.testing.assert_close(a(x), b(x), msg=name)
+
+
+def _greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    return [r["output_ids"] for r in engine.generate(prompts, [params] * len(prompts))]
+
+
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        # Phi-3 checkpoints hold q/k/v and gate/up fused: each rank cuts its heads and its MLP slice out of each
+        # piece of the fused tensor while reading it.
+        ("phi3", {}),
+        # Mixture of experts: the router whole on every rank, each expert split, one all-reduce per block.
+        ("qwen3_moe", {"num_experts": 4, **MOE}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
+def test_tp2_gives_one_process_greedy_tokens(tmp_path: Path, arch: str, overrides: dict) -> None:
+    folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=2, seed=3, config_overrides=overrides)
+    prompts = ["def fibonacci(n):", "The quick brown fox", "1, 2, 3, 4,"]
+    outputs = []
+    for tp in (1, 2):
+        engine = Engine(model=str(folder), device="cpu", max_total_tokens=1024, tp=tp)
+        try:
+            outputs.append(_greedy(engine, prompts))
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1] and all(outputs[0])
