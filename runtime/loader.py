@@ -17,10 +17,12 @@ from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
 from radixserve.runtime.host_memory import returning_freed_memory
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
-from radixserve.runtime.models.families import checkpoint_names
-from radixserve.runtime.models.linear import prepack
+from radixserve.runtime.models.families import checkpoint_names, renamer
+from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS
+from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination
 from radixserve.runtime.threads import one_intra_op_thread
 from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
 
@@ -103,8 +105,11 @@ def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Ll
     return model
 
 
-def model_weights(folder: Path, hf_config: Any, config: EngineConfig, device: torch.device) -> Iterator[Any]:
-    """The checkpoint's tensors, in the weight format ``--quantization`` asks for (see ``EngineConfig``).
+def model_weights(
+    folder: Path, hf_config: Any, config: EngineConfig, device: torch.device, into: Destination | None = None
+) -> Iterator[Any]:
+    """The checkpoint's tensors, in the weight format ``--quantization`` asks for (see ``EngineConfig``); a
+    safetensors checkpoint served dense is read where ``into`` says (``MergedRows``).
 
     Blocks are served by the CPU kernels of a single-process model only: on a GPU or under tensor parallelism the
     weights are dense (dequantized exactly)."""
@@ -116,7 +121,10 @@ def model_weights(folder: Path, hf_config: Any, config: EngineConfig, device: to
             logger.info("GGUF blocks are served on one CPU process only: dequantizing %s", gguf.name)
         weights = iter_gguf_weights(gguf, hf_config, keep_quantized=keep)
     else:
-        weights = iter_weights(folder)
+        # A rank reads whole tensors to cut its shard out of them: one tensor ahead at most, or the read-ahead
+        # would be a large share of its memory.
+        ahead = READ_AHEAD_BYTES if config.tp == 1 else 0
+        weights = iter_weights(folder, into=into if config.quantization in ("auto", "none") else None, ahead=ahead)
     target = {"int8": "Q8_0", "int4": "Q4_1"}.get(config.quantization)
     if target is None or not blocks_ok:
         if target is not None:
@@ -177,11 +185,20 @@ def load_model(
     load_start = time.perf_counter()
     with one_intra_op_thread(), returning_freed_memory():
         model = build_model(args, dtype, device)
-        weights = checkpoint_names(args.architecture, model_weights(folder, hf_config, config, device))
+        into, staging = None, None
+        if device.type == "cpu" and shard is None:  # (a shard is cut out of the whole tensor: no direct reads)
+            staging = None if config.keep_plain_weights or not onednn_usable(dtype) else StagingPool()
+            into = MergedRows(model, dtype, renamer(args.architecture), staging)
+        weights = checkpoint_names(args.architecture, model_weights(folder, hf_config, config, device, into))
         if shard is not None:  # (cuts go by the decoder's names)
             weights = shard(model)(weights)
-        model.load_weights(weights, device=device)
-        prepack(model, keep_plain=config.keep_plain_weights)
+        packer = None if config.keep_plain_weights else LoadPacker(staging=staging)
+        try:
+            model.load_weights(weights, device=device, on_weight=packer)
+        finally:
+            if packer is not None:
+                packer.finish()
+        prepack(model, keep_plain=config.keep_plain_weights)  # what is left: a tied head, --keep-plain-weights
     load_seconds = time.perf_counter() - load_start
     logger.info(
         "loaded %s (%s, %d layers) on %s in %.1fs: %s",

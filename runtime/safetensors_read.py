@@ -12,9 +12,12 @@ The format: an 8-byte little-endian header length, a JSON header ``{name: {dtype
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,9 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+
+# How many bytes of tensors the reader thread may hold ahead of the loader (``read_ahead``).
+READ_AHEAD_BYTES = 128 << 20
 
 # A header larger than this is not a safetensors header (the format's own limit is 100 MB).
 _MAX_HEADER = 100 * 2**20
@@ -59,16 +65,90 @@ def read_header(file: Path) -> tuple[dict[str, dict[str, Any]], int]:
     return header, 8 + size
 
 
-def iter_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for each tensor of ``file`` in sorted name order (safe_open's order), each in a
-    fresh CPU buffer of its stored dtype and shape."""
+# Where to read a tensor: ``into(name, dtype, shape)`` gives a contiguous CPU tensor of that dtype and shape (a
+# slice of a larger buffer, say) or None for a fresh buffer of its own.
+Destination = Callable[[str, torch.dtype, list[int]], torch.Tensor | None]
+
+
+def iter_file(file: Path, into: Destination | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for each tensor of ``file`` in the order of their data in the file (one sequential
+    pass over the disk), each in a fresh CPU buffer of its stored dtype and shape, or in the one ``into`` gives."""
     entries, start = read_header(file)
+    order = sorted(entries, key=lambda n: (_offset(entries[n]), n))
     with open(file, "rb", buffering=0) as f:
-        for name in sorted(entries):
-            yield name, _read(f, file, name, entries[name], start)
+        if hasattr(os, "posix_fadvise"):  # a larger read-ahead window off the disk
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for name in order:
+            yield name, _read(f, file, name, entries[name], start, into)
 
 
-def _read(f: Any, file: Path, name: str, entry: dict[str, Any], start: int) -> torch.Tensor:
+def _offset(entry: Any) -> int:
+    try:
+        return int(entry["data_offsets"][0])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return -1  # malformed: _read names it
+
+
+def read_ahead(
+    items: Iterator[tuple[str, torch.Tensor]], budget: int = READ_AHEAD_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items``, read ahead on a thread of their own while fewer than ``budget`` bytes wait (at least one tensor
+    always may): reading (the copy out of the page cache or off the disk, and the page faults of the fresh
+    buffer) overlaps with what the consumer does with the tensors before (packing them). The thread runs no torch
+    op, so it adds no OpenMP team (``runtime.threads``). Its exception is raised here; closing this generator stops
+    the thread. The waiting tensors are the loader's only transient memory beyond the tensor being packed."""
+    ready: collections.deque[tuple[str, Any]] = collections.deque()
+    cond = threading.Condition()
+    waiting = [0]  # bytes read and not yet taken
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            while True:
+                with cond:
+                    cond.wait_for(lambda: stop.is_set() or not ready or waiting[0] < budget)
+                    if stop.is_set():
+                        return
+                item = next(items, None)
+                with cond:
+                    if item is None:
+                        ready.append(("done", None))
+                    else:
+                        waiting[0] += item[1].nbytes
+                        ready.append(("item", item))
+                    cond.notify_all()
+                if item is None:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            with cond:
+                ready.append(("error", exc))
+                cond.notify_all()
+
+    thread = threading.Thread(target=produce, name="weights-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            with cond:
+                cond.wait_for(lambda: bool(ready))
+                kind, value = ready.popleft()
+                if kind == "item":
+                    waiting[0] -= value[1].nbytes
+                    cond.notify_all()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        with cond:
+            stop.set()
+            cond.notify_all()
+        thread.join()
+
+
+def _read(
+    f: Any, file: Path, name: str, entry: dict[str, Any], start: int, into: Destination | None
+) -> torch.Tensor:
     try:
         dtype = DTYPES[entry["dtype"]]
         shape = [int(d) for d in entry["shape"]]
@@ -81,7 +161,13 @@ def _read(f: Any, file: Path, name: str, entry: dict[str, Any], start: int) -> t
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if end - begin != nbytes:
         raise ValueError(f"{file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}")
-    out = torch.empty(nbytes, dtype=torch.uint8)
+    given = into(name, dtype, shape) if into is not None else None
+    if given is not None:
+        if given.dtype != dtype or list(given.shape) != shape or not given.is_contiguous():
+            raise ValueError(f"{name}: destination {given.dtype} {list(given.shape)} for a {dtype} {shape} tensor")
+        out = given.view(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    else:
+        out = torch.empty(nbytes, dtype=torch.uint8)
     f.seek(start + begin)
     view = memoryview(out.numpy())
     done = 0
@@ -90,4 +176,4 @@ def _read(f: Any, file: Path, name: str, entry: dict[str, Any], start: int) -> t
         if not n:
             raise ValueError(f"{file}: truncated: tensor {name!r} ends past the end of the file")
         done += n
-    return out.view(dtype).reshape(shape)
+    return given if given is not None else out.view(dtype).reshape(shape)

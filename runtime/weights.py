@@ -19,7 +19,13 @@ from tqdm import tqdm
 
 from radixserve.runtime.json_file import read_json_object
 from radixserve.runtime.lean_tokenizer import LeanTokenizer
-from radixserve.runtime.safetensors_read import iter_file, read_header
+from radixserve.runtime.safetensors_read import (
+    READ_AHEAD_BYTES,
+    Destination,
+    iter_file,
+    read_ahead,
+    read_header,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +54,16 @@ def count_tensors(folder: Path) -> int:
     return total
 
 
-def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    folder: Path, *, progress: bool = True, into: Destination | None = None, ahead: int = READ_AHEAD_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
 
     Invariants: each name is yielded exactly once (a name present in two files raises ValueError, since a
     silent overwrite would load the wrong weights); tensors keep the dtype they were stored in (casting is
     the consumer's job); files are read in sorted order, tensors in each file's key order, each into memory of its
-    own (``runtime.safetensors_read``: no memory map keeps the file resident). A tqdm bar
+    own (``runtime.safetensors_read``: no memory map keeps the file resident), or where ``into`` says (the loader
+    reads the parts of a merged projection into its rows), up to ``ahead`` bytes ahead on a reader thread. A tqdm bar
     ("Loading weights") on stderr counts tensors unless ``progress`` is False.
     """
     files = safetensors_files(folder)
@@ -68,7 +77,7 @@ def iter_weights(folder: Path, *, progress: bool = True) -> Iterator[tuple[str, 
         dynamic_ncols=True,
     ) as bar:
         for file in files:
-            for name, tensor in iter_file(file):
+            for name, tensor in read_ahead(iter_file(file, into), ahead):
                 if name in seen:
                     raise ValueError(
                         f"tensor {name!r} appears in both {seen[name].name} and {file.name}; "

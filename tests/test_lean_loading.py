@@ -4,6 +4,7 @@ is read (including checkpoints that store q/k/v and gate/up fused, and the exper
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.models.linear import Linear, onednn_usable
-from radixserve.runtime.safetensors_read import iter_file
+from radixserve.runtime.safetensors_read import iter_file, read_ahead
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model
 
@@ -36,7 +37,7 @@ def test_reader_gives_what_safetensors_gives(tmp_path: Path) -> None:
     save_file(tensors, str(file), metadata={"format": "pt"})
     got = dict(iter_file(file))
     with safe_open(str(file), framework="pt") as f:
-        assert list(got) == list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
+        assert sorted(got) == list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
         for name in f.keys():  # noqa: SIM118
             want = f.get_tensor(name)
             assert got[name].dtype == want.dtype and got[name].shape == want.shape
@@ -56,6 +57,23 @@ def test_reader_names_the_file_and_tensor_when_the_file_is_damaged(tmp_path: Pat
     file.write_bytes(b"\x01")
     with pytest.raises(ValueError, match="not a safetensors file"):
         list(iter_file(file))
+
+
+def test_read_ahead_hands_over_in_order_raises_the_readers_error_and_stops_when_closed() -> None:
+    def items(fail_at: int | None):
+        for i in range(6):
+            if i == fail_at:
+                raise ValueError("disk on fire")
+            yield f"t{i}", torch.full((1024,), float(i))
+
+    assert [n for n, _ in read_ahead(items(None), budget=4096)] == [f"t{i}" for i in range(6)]
+    with pytest.raises(ValueError, match="disk on fire"):
+        list(read_ahead(items(3)))
+    before = threading.active_count()
+    reader = read_ahead(items(None), budget=0)
+    assert next(reader)[0] == "t0"
+    reader.close()  # the consumer stops early (a load that failed): the thread ends
+    assert threading.active_count() == before
 
 
 @pytest.mark.skipif(not onednn_usable(torch.float32), reason="oneDNN's packed linear is not usable here")

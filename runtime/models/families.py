@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from radixserve.runtime.models.args import ModelArgs
@@ -170,13 +170,23 @@ def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
     }
 
 
-def checkpoint_names(arch: str, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors under the shared decoder's names (``CHECKPOINT_RENAMES``)."""
+def renamer(arch: str) -> Callable[[str], str]:
+    """A checkpoint tensor's name -> the shared decoder's (``CHECKPOINT_RENAMES``)."""
     renames = [(re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ())]
-    for name, tensor in weights:
+
+    def rename(name: str) -> str:
         for pattern, repl in renames:
             name = pattern.sub(repl, name)
-        yield name, tensor
+        return name
+
+    return rename
+
+
+def checkpoint_names(arch: str, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors under the shared decoder's names (``CHECKPOINT_RENAMES``)."""
+    rename = renamer(arch)
+    for name, tensor in weights:
+        yield rename(name), tensor
 
 
 def _cap(value: Any) -> float | None:

@@ -9,7 +9,7 @@ soft-capping, Gemma's norm offset, sandwich norms, activation and embedding scal
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -238,7 +238,12 @@ class LlamaForCausalLM(nn.Module):
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]], device: torch.device | None = None) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, Any]],
+        device: torch.device | None = None,
+        on_weight: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         """Put HF-named tensors (or ``QuantTensor`` blocks) into the parameters, q/k/v and gate/up into their
         merged projections (``runtime.models.loading``); raises ``ValueError`` naming any missing or unknown
         tensor. On a model built on the meta device each parameter is created here, on ``device``."""
@@ -248,7 +253,9 @@ class LlamaForCausalLM(nn.Module):
         weights = checkpoint_names(self.args.architecture, weights)
         if self.args.norm_offset:
             weights = _offset_norms(weights, self.args.norm_offset)
-        seen = loading.load_weights(self, weights, merged, _merged_target, device=device, skip=skip)
+        seen = loading.load_weights(
+            self, weights, merged, _merged_target, device=device, skip=skip, on_weight=on_weight
+        )
         self.tie_weights()
         expected: set[str] = set()
         for name in params:
