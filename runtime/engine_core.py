@@ -15,7 +15,7 @@ from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepRes
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.detokenizer import IncrementalDetokenizer, StopChecker
 from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
-from radixserve.runtime.grammar import GrammarViolation, grammar_failure
+from radixserve.runtime.grammar import GrammarViolation, grammar_cut, grammar_failure
 from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.model_runner import ModelRunner
@@ -217,6 +217,8 @@ class EngineCore:
         # Computed KV: the last token and the accepted drafts (all of the output, when a stop cut it short).
         req.num_computed = min(chunk.end + len(accepted), req.total)
         self.cache.trim(req)
+        if not req.finished and req.grammar is not None and self.jump_forward and not req.params.return_logprob:
+            self._jump_forward(req, now)
         if req.finished:
             return self._finish(req)
         self._propose(req)
@@ -227,7 +229,8 @@ class EngineCore:
         if self.drafter is None or not can_speculate(req):
             return
         limit = min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.total) - 1
-        req.draft_ids = self.drafter.propose(req, limit) if limit > 0 else []
+        draft = self.drafter.propose(req, limit) if limit > 0 else []
+        req.draft_ids = grammar_cut(req.grammar, draft) if draft and req.grammar is not None else draft
 
     def _jump_forward(self, req: Req, now: float) -> None:
         """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the

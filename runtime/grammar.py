@@ -22,6 +22,7 @@ from radixserve.constrained import (
     bitmask_to_bool,
     fill_bitmasks,
 )
+from radixserve.constrained.backend import Matcher
 from radixserve.runtime.batch import Failure
 from radixserve.runtime.request import ErrorCode, Req
 
@@ -99,4 +100,39 @@ def grammar_mask(reqs: Sequence[Req], vocab: int, device: torch.device) -> torch
         return None
     bitmask = allocate_bitmask(len(reqs), vocab)
     fill_bitmasks(rows, bitmask, parallel=torch.device(device).type != "cpu")
+    return bitmask_to_bool(bitmask, vocab, device)
+
+
+def grammar_cut(grammar: Matcher, draft: Sequence[int]) -> list[int]:
+    """The longest prefix of ``draft`` the grammar takes from its current state (``runtime.speculative``: a draft
+    that leaves the grammar is cut there). The grammar is left as it was found; nothing is drafted past its end."""
+    before = grammar.num_tokens
+    kept = 0
+    try:
+        for token in draft:
+            if grammar.is_terminated() or not grammar.accept_token(token):
+                break
+            kept += 1
+    finally:
+        grammar.rollback(grammar.num_tokens - before)
+    return list(draft[:kept])
+
+
+def draft_mask(grammar: Matcher, draft: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """``[len(draft) + 1, vocab]`` bool mask: row ``i`` the tokens the grammar allows after ``draft[:i]`` (the
+    verification rows of a speculating request, ``Sampler.verify``), or None when the grammar fails on the way (a
+    backend limit: ``grammar.error()`` says which; the drafts were cut to the grammar when proposed, with
+    ``grammar_cut``, and it has not moved since). The grammar is left as it was found."""
+    bitmask = allocate_bitmask(len(draft) + 1, vocab)
+    before = grammar.num_tokens
+    try:
+        for i, token in enumerate(draft):
+            fill_bitmasks([(grammar, i)], bitmask, parallel=False)
+            if grammar.error() is not None or not grammar.accept_token(token):
+                return None
+        fill_bitmasks([(grammar, len(draft))], bitmask, parallel=False)
+        if grammar.error() is not None:
+            return None
+    finally:
+        grammar.rollback(grammar.num_tokens - before)
     return bitmask_to_bool(bitmask, vocab, device)

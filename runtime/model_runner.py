@@ -19,7 +19,7 @@ from radixserve.runtime.attention.base import (
     PrefixGroup,
 )
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
-from radixserve.runtime.grammar import grammar_failure, grammar_mask
+from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.request import ErrorCode, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
@@ -188,8 +188,17 @@ class ModelRunner:
         for i, _ in verify:
             chunk = plan.chunks[i]
             n = chunk.num_tokens
+            rows = logits[at : at + n]
+            grammar = chunk.req.grammar
             try:
-                accepted[i], next_tokens[i] = self.sampler.verify(logits[at : at + n], chunk.req, chunk.draft)
+                if grammar is not None:  # each row constrained by the grammar after the drafts before it
+                    allowed = draft_mask(grammar, chunk.draft, rows.shape[1], self.device)
+                    if allowed is None:
+                        errors[i] = grammar_failure(chunk.req)
+                        at += n
+                        continue
+                    rows.masked_fill_(~allowed, float("-inf"))
+                accepted[i], next_tokens[i] = self.sampler.verify(rows, chunk.req, chunk.draft)
             except NonFiniteLogitsError as exc:
                 errors[i] = Failure(str(exc), ErrorCode.ENGINE)
             at += n

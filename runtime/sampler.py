@@ -345,8 +345,9 @@ class Sampler:
         kept one. Sampled (the request's temperature, top_k, top_p, min_p): draft ``d`` at row ``i`` is kept with
         probability ``p_i(d)`` (one uniform from the request's generator); a rejection draws from ``p_i`` with
         ``d`` removed (one more), which is rejection sampling for a proposal that puts all its mass on ``d``: the
-        tokens come out distributed exactly as the target's. Speculating requests have no grammar, penalties or
-        logprobs (``runtime.speculative.can_speculate``), so rows need nothing else.
+        tokens come out distributed exactly as the target's. Speculating requests have no penalties or logprobs
+        (``runtime.speculative.can_speculate``); a constrained request's rows come masked by its grammar
+        (``runtime.grammar.draft_mask``), so its target is the constrained distribution.
         """
         x = logits[: len(draft) + 1, : self.vocab_size]
         if not bool(torch.isfinite(x.amax(dim=-1)).all()):

@@ -11,8 +11,11 @@ step always yields at least the token plain decoding would.
 
 Invariants: drafts live in ``Req.draft_ids`` until verified, never in ``output_ids``; the KV slots of rejected
 drafts go back to the pool before the radix tree sees the request again, so the tree only ever holds accepted
-tokens; a request speculates only where verification is exact: no grammar (its masks would have to follow the
-drafts), no logprobs, no penalties or logit bias, ``min_new_tokens`` reached.
+tokens; a request speculates only where verification is exact: no logprobs, no penalties or logit bias,
+``min_new_tokens`` reached. A constrained request's drafts are cut where they leave its grammar
+(``runtime.grammar.grammar_cut``) and each verification row is masked by the grammar state after the drafts
+before it (``draft_mask``), so the target distribution verified is the constrained one; the tokens the grammar
+forces are appended by jump-forward before any drafting, as without speculation.
 
 Adaptive: per request, the draft length follows its acceptance (halved after a step that accepted nothing,
 doubled back after one that accepted all), and a request whose drafts keep failing pauses for a while; per
@@ -104,8 +107,7 @@ def can_speculate(req: Req) -> bool:
     """Whether verification of this request's drafts is exact (see the module docstring)."""
     p = req.params
     return (
-        req.grammar is None
-        and not p.return_logprob
+        not p.return_logprob
         and not p.logit_bias
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
