@@ -15,7 +15,6 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
-from radixserve.runtime.host_memory import returning_freed_memory
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.models.families import checkpoint_names, renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
@@ -183,7 +182,7 @@ def load_model(
     dtype = resolve_dtype(config.dtype, device, hf_config)
     tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
     load_start = time.perf_counter()
-    with one_intra_op_thread(), returning_freed_memory():
+    with one_intra_op_thread():
         model = build_model(args, dtype, device)
         into, staging = None, None
         if device.type == "cpu" and shard is None:  # (a shard is cut out of the whole tensor: no direct reads)

@@ -70,9 +70,9 @@ def load_weights(
 
 class StagingPool:
     """Buffers the reader fills with weights that are packed and dropped right after (``linear.LoadPacker``), given
-    back once packed and reused for the next weight of the same size: each fresh buffer costs page faults, and
-    with every allocation mapped on its own while loading (``runtime.host_memory``) a mapping and an unmapping,
-    which stall the other threads' faults. Thread-safe: the reader takes, the packers give back."""
+    back once packed and reused for the next weight of the same size: each fresh buffer costs page faults (and a
+    large one a mapping and an unmapping, which stall the other threads' faults). Thread-safe: the reader takes,
+    the packers give back."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
