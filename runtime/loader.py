@@ -16,7 +16,7 @@ from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
-from radixserve.runtime.models.families import checkpoint_names, renamer
+from radixserve.runtime.models.families import renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.loading import MergedRows, StagingPool
@@ -188,12 +188,11 @@ def load_model(
         if device.type == "cpu" and shard is None:  # (a shard is cut out of the whole tensor: no direct reads)
             staging = None if config.keep_plain_weights or not onednn_usable(dtype) else StagingPool()
             into = MergedRows(model, dtype, renamer(args.architecture), staging)
-        weights = checkpoint_names(args.architecture, model_weights(folder, hf_config, config, device, into))
-        if shard is not None:  # (cuts go by the decoder's names)
-            weights = shard(model)(weights)
+        weights = model_weights(folder, hf_config, config, device, into)
+        cut = shard(model) if shard is not None else None
         packer = None if config.keep_plain_weights else LoadPacker(staging=staging)
         try:
-            model.load_weights(weights, device=device, on_weight=packer)
+            model.load_weights(weights, device=device, on_weight=packer, transform=cut)
         finally:
             if packer is not None:
                 packer.finish()

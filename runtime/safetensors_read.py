@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import struct
 import threading
@@ -155,10 +156,7 @@ def _read(
         begin, end = (int(o) for o in entry["data_offsets"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{file}: tensor {name!r} has a malformed or unsupported header entry {entry}") from exc
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes:
         raise ValueError(f"{file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}")
     given = into(name, dtype, shape) if into is not None else None

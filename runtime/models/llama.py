@@ -243,14 +243,18 @@ class LlamaForCausalLM(nn.Module):
         weights: Iterable[tuple[str, Any]],
         device: torch.device | None = None,
         on_weight: Callable[[nn.Module], None] | None = None,
+        transform: Callable[[Iterable[tuple[str, Any]]], Iterable[tuple[str, Any]]] | None = None,
     ) -> None:
         """Put HF-named tensors (or ``QuantTensor`` blocks) into the parameters, q/k/v and gate/up into their
         merged projections (``runtime.models.loading``); raises ``ValueError`` naming any missing or unknown
-        tensor. On a model built on the meta device each parameter is created here, on ``device``."""
+        tensor. On a model built on the meta device each parameter is created here, on ``device``. The names are
+        the family's checkpoint names; ``transform`` (a tensor-parallel rank's cuts) sees the decoder's."""
         params = dict(self.named_parameters())
         merged = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
         skip = {"lm_head.weight"} if self.args.tie_word_embeddings else set()
         weights = checkpoint_names(self.args.architecture, weights)
+        if transform is not None:
+            weights = transform(weights)
         if self.args.norm_offset:
             weights = _offset_norms(weights, self.args.norm_offset)
         seen = loading.load_weights(

@@ -80,7 +80,7 @@ class StagingPool:
         self._lock = threading.Lock()
 
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             free = self._free.get(nbytes)
             raw = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
@@ -117,6 +117,7 @@ class MergedRows:
         self.parts: dict[str, tuple[str, slice, tuple[int, ...]]] = {}  # part name -> (merged name, rows, shape)
         self.whole: dict[str, tuple[int, ...]] = {}  # a linear weight read whole into a staging buffer -> shape
         self.buffers: dict[str, tuple[torch.Tensor, int]] = {}  # merged name -> (buffer, parts not yet given)
+        self.counts: dict[str, int] = {}  # merged name -> how many checkpoint tensors fill it
         for name, module in model.named_modules():
             parts = getattr(module, "parts", None)
             if not isinstance(parts, dict):
@@ -130,6 +131,7 @@ class MergedRows:
                     continue
                 for part in parts:
                     self.parts[f"{owner}.{part}.{leaf}"] = (f"{name}.{leaf}", module.part_rows(part), param.shape)
+                self.counts[f"{name}.{leaf}"] = len(parts)
 
     def __call__(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
         name = self.rename(name)
@@ -146,7 +148,7 @@ class MergedRows:
         if merged not in self.buffers:
             pooled = self.staging is not None and merged.endswith(".weight")
             buffer = self.staging.take(dtype, tuple(full)) if pooled else torch.empty(full, dtype=dtype)  # type: ignore[union-attr]
-            self.buffers[merged] = (buffer, sum(1 for p in self.parts.values() if p[0] == merged))
+            self.buffers[merged] = (buffer, self.counts[merged])
         buffer, left = self.buffers[merged]
         if left > 1:
             self.buffers[merged] = (buffer, left - 1)
