@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +21,12 @@ from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS
-from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination
+from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
 from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
+
+if TYPE_CHECKING:
+    from radixserve.runtime.distributed.shard import ShardCuts
 
 logger = logging.getLogger("radixserve.model")
 
@@ -105,10 +108,16 @@ def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Ll
 
 
 def model_weights(
-    folder: Path, hf_config: Any, config: EngineConfig, device: torch.device, into: Destination | None = None
+    folder: Path,
+    hf_config: Any,
+    config: EngineConfig,
+    device: torch.device,
+    into: Destination | None = None,
+    select: Select | None = None,
 ) -> Iterator[Any]:
     """The checkpoint's tensors, in the weight format ``--quantization`` asks for (see ``EngineConfig``); a
-    safetensors checkpoint served dense is read where ``into`` says (``MergedRows``).
+    safetensors checkpoint served dense is read where ``into`` says (``MergedRows``), and only the part of each
+    tensor ``select`` names (a tensor-parallel rank's shard).
 
     Blocks are served by the CPU kernels of a single-process model only: on a GPU or under tensor parallelism the
     weights are dense (dequantized exactly)."""
@@ -120,16 +129,25 @@ def model_weights(
             logger.info("GGUF blocks are served on one CPU process only: dequantizing %s", gguf.name)
         weights = iter_gguf_weights(gguf, hf_config, keep_quantized=keep)
     else:
-        # A rank reads whole tensors to cut its shard out of them: one tensor ahead at most, or the read-ahead
-        # would be a large share of its memory.
-        ahead = READ_AHEAD_BYTES if config.tp == 1 else 0
-        weights = iter_weights(folder, into=into if config.quantization in ("auto", "none") else None, ahead=ahead)
+        dense = config.quantization in ("auto", "none")
+        # The ranks of one machine read at once: each keeps its share of the read-ahead.
+        ahead = READ_AHEAD_BYTES // config.tp
+        weights = iter_weights(folder, into=into if dense else None, select=select, ahead=ahead)
     target = {"int8": "Q8_0", "int4": "Q4_1"}.get(config.quantization)
     if target is None or not blocks_ok:
         if target is not None:
             logger.warning("--quantization %s applies on one CPU process only; loading dense weights", target)
         return weights
     return _quantized(weights, target)
+
+
+def _shard_select(cuts: ShardCuts, rename: Callable[[str], str]) -> Select:
+    """The reader's ``select`` for a rank: its cut of each checkpoint tensor, by the decoder's name."""
+
+    def select(name: str, _dtype: torch.dtype, shape: list[int]) -> Any:
+        return cuts.select(rename(name), shape)
+
+    return select
 
 
 def _quantized(weights: Iterator[tuple[str, Any]], qtype: str) -> Iterator[tuple[str, Any]]:
@@ -169,11 +187,12 @@ def load_model(
     config: EngineConfig,
     *,
     lean_tokenizer: bool = False,
-    shard: Callable[[LlamaForCausalLM], Callable[[Iterable[tuple[str, Any]]], Iterator[tuple[str, Any]]]] | None = None,
+    shard: Callable[[LlamaForCausalLM], ShardCuts] | None = None,
 ) -> LoadedModel:
     """Build the model on the meta device, let ``shard`` (tensor parallelism) cut it down to one rank's shard
-    and return what cuts the checkpoint's tensors to match, load the weights one tensor at a time, then pack
-    them for the CPU kernels (``prepack``: the plain copy goes, layer by layer, unless --keep-plain-weights)."""
+    and return the cuts the checkpoint's tensors need (read as cut from safetensors; cut after reading from a
+    GGUF file), load the weights one tensor at a time, then pack them for the CPU kernels (``prepack``: the plain
+    copy goes, layer by layer, unless --keep-plain-weights)."""
     start = time.perf_counter()
     folder = model_folder(config)
     hf_config = load_hf_config(folder)
@@ -184,12 +203,15 @@ def load_model(
     load_start = time.perf_counter()
     with one_intra_op_thread():
         model = build_model(args, dtype, device)
+        rename = renamer(args.architecture)
+        cuts = shard(model) if shard is not None else None
+        select = _shard_select(cuts, rename) if cuts is not None else None
         into, staging = None, None
-        if device.type == "cpu" and shard is None:  # (a shard is cut out of the whole tensor: no direct reads)
+        if device.type == "cpu":
             staging = None if config.keep_plain_weights or not onednn_usable(dtype) else StagingPool()
-            into = MergedRows(model, dtype, renamer(args.architecture), staging)
-        weights = model_weights(folder, hf_config, config, device, into)
-        cut = shard(model) if shard is not None else None
+            into = MergedRows(model, dtype, rename, staging)
+        weights = model_weights(folder, hf_config, config, device, into, select)
+        cut = cuts.cut if cuts is not None else None
         packer = None if config.keep_plain_weights else LoadPacker(staging=staging)
         try:
             model.load_weights(weights, device=device, on_weight=packer, transform=cut)

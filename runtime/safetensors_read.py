@@ -19,9 +19,11 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -67,20 +69,55 @@ def read_header(file: Path) -> tuple[dict[str, dict[str, Any]], int]:
 
 
 # Where to read a tensor: ``into(name, dtype, shape)`` gives a contiguous CPU tensor of that dtype and shape (a
-# slice of a larger buffer, say) or None for a fresh buffer of its own.
+# slice of a larger buffer, say) or None for a fresh buffer of its own. ``shape`` is the cut's, when one is read.
 Destination = Callable[[str, torch.dtype, list[int]], torch.Tensor | None]
 
+# The bytes a column cut reads at a time: whole rows into a scratch buffer kept for the file, then their columns.
+_SCRATCH_BYTES = 8 << 20
 
-def iter_file(file: Path, into: Destination | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+
+@dataclass(frozen=True)
+class Cut:
+    """The part of a tensor to read (a tensor-parallel rank's shard): the rows ``rows`` of its first dimension
+    (ranges, concatenated in order), of them the columns ``cols`` (a 2-D tensor; None: all), then zero rows up to
+    ``out_rows`` (None: none). Only those bytes are read, so a rank never holds the whole tensor: rows are one read
+    each, columns go through a small scratch buffer. ``Cut(rows=(), out_rows=n)`` reads nothing (zeros)."""
+
+    rows: tuple[tuple[int, int], ...]
+    cols: tuple[int, int] | None = None
+    out_rows: int | None = None
+
+    def shape(self, full: list[int]) -> list[int]:
+        """The cut's shape, of a tensor of shape ``full``; ``ValueError`` when it does not fit it."""
+        n = sum(b - a for a, b in self.rows)
+        rows_ok = full and all(0 <= a <= b <= full[0] for a, b in self.rows)
+        cols_ok = self.cols is None or (len(full) == 2 and 0 <= self.cols[0] <= self.cols[1] <= full[1])
+        if not rows_ok or not cols_ok or (self.out_rows is not None and self.out_rows < n):
+            raise ValueError(f"cut {self} does not fit a tensor of shape {full}")
+        rest = list(full[1:])
+        if self.cols is not None:
+            rest[0] = self.cols[1] - self.cols[0]
+        return [n if self.out_rows is None else self.out_rows, *rest]
+
+
+# Which part of a tensor to read: ``select(name, dtype, shape)`` gives a ``Cut`` or None for the whole tensor.
+Select = Callable[[str, torch.dtype, list[int]], Cut | None]
+
+
+def iter_file(
+    file: Path, into: Destination | None = None, select: Select | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for each tensor of ``file`` in the order of their data in the file (one sequential
-    pass over the disk), each in a fresh CPU buffer of its stored dtype and shape, or in the one ``into`` gives."""
+    pass over the disk), each in a fresh CPU buffer of its stored dtype and shape, or in the one ``into`` gives;
+    only the part ``select`` names, where it names one."""
     entries, start = read_header(file)
     order = sorted(entries, key=lambda n: (_offset(entries[n]), n))
+    scratch: list[np.ndarray] = []  # column cuts' buffer, made at the first one
     with open(file, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):  # a larger read-ahead window off the disk
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for name in order:
-            yield name, _read(f, file, name, entries[name], start, into)
+            yield name, _read(f, file, name, entries[name], start, into, select, scratch)
 
 
 def _offset(entry: Any) -> int:
@@ -148,7 +185,14 @@ def read_ahead(
 
 
 def _read(
-    f: Any, file: Path, name: str, entry: dict[str, Any], start: int, into: Destination | None
+    f: Any,
+    file: Path,
+    name: str,
+    entry: dict[str, Any],
+    start: int,
+    into: Destination | None,
+    select: Select | None,
+    scratch: list[np.ndarray],
 ) -> torch.Tensor:
     try:
         dtype = DTYPES[entry["dtype"]]
@@ -159,19 +203,70 @@ def _read(
     nbytes = math.prod(shape) * dtype.itemsize
     if end - begin != nbytes:
         raise ValueError(f"{file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}")
-    given = into(name, dtype, shape) if into is not None else None
+    cut = select(name, dtype, shape) if select is not None else None
+    out_shape = cut.shape(shape) if cut is not None else shape
+    out_bytes = math.prod(out_shape) * dtype.itemsize
+    given = into(name, dtype, out_shape) if into is not None else None
     if given is not None:
-        if given.dtype != dtype or list(given.shape) != shape or not given.is_contiguous():
-            raise ValueError(f"{name}: destination {given.dtype} {list(given.shape)} for a {dtype} {shape} tensor")
-        out = given.view(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if given.dtype != dtype or list(given.shape) != out_shape or not given.is_contiguous():
+            raise ValueError(f"{name}: destination {given.dtype} {list(given.shape)} for a {dtype} {out_shape} tensor")
+        out = given.view(-1).view(torch.uint8) if out_bytes else torch.empty(0, dtype=torch.uint8)
     else:
-        out = torch.empty(nbytes, dtype=torch.uint8)
-    f.seek(start + begin)
+        out = torch.empty(out_bytes, dtype=torch.uint8)
     view = memoryview(out.numpy())
+    where = f"{file}: truncated: tensor {name!r}"
+    if cut is None:
+        _fill(f, start + begin, view, where)
+    else:
+        row = nbytes // shape[0] if shape[0] else 0  # bytes of one row of the stored tensor
+        done = 0
+        for a, b in cut.rows:
+            if cut.cols is None:  # whole rows: one read
+                _fill(f, start + begin + a * row, view[done : done + (b - a) * row], where)
+                done += (b - a) * row
+            else:
+                span = ((a, b), cut.cols)
+                done = _read_columns(f, start + begin, row, span, dtype.itemsize, view, done, scratch, where)
+        out.numpy()[done:] = 0  # a vocabulary shard's padding rows, or a rank's zero bias
+    return given if given is not None else out.view(dtype).reshape(out_shape)
+
+
+def _fill(f: Any, offset: int, view: memoryview, where: str) -> None:
+    """Read ``len(view)`` bytes at ``offset`` into ``view``."""
+    f.seek(offset)
     done = 0
-    while done < nbytes:  # readinto may return less than asked (large reads, signals)
+    while done < len(view):  # readinto may return less than asked (large reads, signals)
         n = f.readinto(view[done:])
         if not n:
-            raise ValueError(f"{file}: truncated: tensor {name!r} ends past the end of the file")
+            raise ValueError(f"{where} ends past the end of the file")
         done += n
-    return given if given is not None else out.view(dtype).reshape(shape)
+
+
+def _read_columns(
+    f: Any,
+    data: int,
+    row: int,
+    span: tuple[tuple[int, int], tuple[int, int]],
+    itemsize: int,
+    out: memoryview,
+    done: int,
+    scratch: list[np.ndarray],
+    where: str,
+) -> int:
+    """Columns ``span[1]`` of rows ``span[0]`` of the 2-D tensor at ``data``, into ``out`` from byte ``done``; whole
+    rows are read into the scratch buffer, a block at a time (byte copies in numpy: the reader thread runs no torch
+    op). Returns where the next row goes."""
+    rows, cols = span
+    if not scratch:
+        scratch.append(np.empty(max(_SCRATCH_BYTES, row), dtype=np.uint8))
+    buf = scratch[0]
+    per = max(1, len(buf) // row)  # rows a block
+    width = (cols[1] - cols[0]) * itemsize
+    dest = np.frombuffer(out, dtype=np.uint8)
+    for a in range(rows[0], rows[1], per):
+        n = min(per, rows[1] - a)
+        _fill(f, data + a * row, memoryview(buf)[: n * row], where)
+        block = buf[: n * row].reshape(n, row)[:, cols[0] * itemsize : cols[1] * itemsize]
+        dest[done : done + n * width].reshape(n, width)[:] = block
+        done += n * width
+    return done

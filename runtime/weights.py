@@ -22,6 +22,7 @@ from radixserve.runtime.lean_tokenizer import LeanTokenizer
 from radixserve.runtime.safetensors_read import (
     READ_AHEAD_BYTES,
     Destination,
+    Select,
     iter_file,
     read_ahead,
     read_header,
@@ -55,7 +56,12 @@ def count_tensors(folder: Path) -> int:
 
 
 def iter_weights(
-    folder: Path, *, progress: bool = True, into: Destination | None = None, ahead: int = READ_AHEAD_BYTES
+    folder: Path,
+    *,
+    progress: bool = True,
+    into: Destination | None = None,
+    select: Select | None = None,
+    ahead: int = READ_AHEAD_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
 
@@ -63,7 +69,8 @@ def iter_weights(
     silent overwrite would load the wrong weights); tensors keep the dtype they were stored in (casting is
     the consumer's job); files are read in sorted order, tensors in each file's key order, each into memory of its
     own (``runtime.safetensors_read``: no memory map keeps the file resident), or where ``into`` says (the loader
-    reads the parts of a merged projection into its rows), up to ``ahead`` bytes ahead on a reader thread. A tqdm bar
+    reads the parts of a merged projection into its rows), only the part ``select`` names (a tensor-parallel rank's
+    shard: the tensor comes out cut), up to ``ahead`` bytes ahead on a reader thread. A tqdm bar
     ("Loading weights") on stderr counts tensors unless ``progress`` is False.
     """
     files = safetensors_files(folder)
@@ -77,7 +84,7 @@ def iter_weights(
         dynamic_ncols=True,
     ) as bar:
         for file in files:
-            for name, tensor in read_ahead(iter_file(file, into), ahead):
+            for name, tensor in read_ahead(iter_file(file, into, select), ahead):
                 if name in seen:
                     raise ValueError(
                         f"tensor {name!r} appears in both {seen[name].name} and {file.name}; "

@@ -4,6 +4,7 @@ is read (including checkpoints that store q/k/v and gate/up fused, and the exper
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.models.linear import Linear, onednn_usable
-from radixserve.runtime.safetensors_read import iter_file, read_ahead
+from radixserve.runtime import safetensors_read
+from radixserve.runtime.safetensors_read import Cut, iter_file, read_ahead
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model
 
@@ -42,6 +44,45 @@ def test_reader_gives_what_safetensors_gives(tmp_path: Path) -> None:
             want = f.get_tensor(name)
             assert got[name].dtype == want.dtype and got[name].shape == want.shape
             assert torch.equal(got[name], want)
+
+
+def test_reader_reads_only_the_cut_a_rank_asks_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scratch buffer of 3 rows: a column cut reads its rows in several blocks.
+    monkeypatch.setattr(safetensors_read, "_SCRATCH_BYTES", 3 * 40 * 2)
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(10, 40, generator=gen).to(torch.bfloat16)
+    b = torch.randn(10, generator=gen)
+    file = tmp_path / "t.safetensors"
+    save_file({"w": w, "b": b}, str(file))
+    cases = [
+        (Cut(rows=((5, 10),)), lambda t: t[5:]),  # a column-parallel shard: its rows
+        (Cut(rows=((1, 3), (6, 8))), lambda t: torch.cat([t[1:3], t[6:8]])),  # pieces of a fused tensor
+        (Cut(rows=((0, 10),), cols=(20, 40)), lambda t: t[:, 20:]),  # a row-parallel shard: its columns
+        (Cut(rows=((2, 9),), cols=(3, 11)), lambda t: t[2:9, 3:11]),
+        (Cut(rows=((8, 10),), out_rows=5), lambda t: torch.cat([t[8:], t.new_zeros((3, *t.shape[1:]))])),  # padded
+        (Cut(rows=(), out_rows=10), torch.zeros_like),  # a bias another rank adds: nothing read
+    ]
+    for cut, want in cases:
+        for name, full in (("w", w), ("b", b)):
+            if cut.cols is not None and full.dim() == 1:
+                with pytest.raises(ValueError, match="does not fit"):
+                    list(iter_file(file, select=lambda n, _d, _s, cut=cut: cut))
+                continue
+            got = dict(iter_file(file, select=lambda n, _d, _s, cut=cut, name=name: cut if n == name else None))
+            assert torch.equal(got[name], want(full)), (cut, name)
+            other = "b" if name == "w" else "w"
+            assert torch.equal(got[other], b if other == "b" else w)  # not selected: read whole
+    # Into a destination of the cut's shape (a merged projection's rows, a pooled buffer).
+    buffer = torch.full((12, 20), 7.0, dtype=torch.bfloat16)
+    given = dict(
+        iter_file(
+            file,
+            into=lambda n, d, shape: buffer[2:12] if n == "w" and shape == [10, 20] else None,
+            select=lambda n, _d, _s: Cut(rows=((0, 10),), cols=(0, 20)) if n == "w" else None,
+        )
+    )
+    assert given["w"].data_ptr() == buffer[2:].data_ptr() and torch.equal(buffer[2:], w[:, :20])
+    assert torch.equal(buffer[:2], torch.full((2, 20), 7.0, dtype=torch.bfloat16))
 
 
 def test_reader_names_the_file_and_tensor_when_the_file_is_damaged(tmp_path: Path) -> None:
@@ -109,18 +150,23 @@ MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": 
 
 
 @pytest.mark.parametrize(
-    ("arch", "overrides"),
+    ("arch", "options"),
     [
         # Phi-3 checkpoints hold q/k/v and gate/up fused: each rank cuts its heads and its MLP slice out of each
         # piece of the fused tensor while reading it.
         ("phi3", {}),
+        # Biased q/k/v and o projections (o's bias added by rank 0 only), an untied head, an odd vocabulary (the
+        # last rank's shard padded).
+        ("llama", {"qkv_bias": True, "tie": False, "vocab_size_hint": 501}),
         # Mixture of experts: the router whole on every rank, each expert split, one all-reduce per block.
-        ("qwen3_moe", {"num_experts": 4, **MOE}),
-        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        ("qwen3_moe", {"config_overrides": {"num_experts": 4, **MOE}}),
+        ("mixtral", {"config_overrides": {"num_local_experts": 4, "num_experts_per_tok": 2}}),
     ],
 )
-def test_tp2_gives_one_process_greedy_tokens(tmp_path: Path, arch: str, overrides: dict) -> None:
-    folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=2, seed=3, config_overrides=overrides)
+def test_tp2_gives_one_process_greedy_tokens(tmp_path: Path, arch: str, options: dict) -> None:
+    folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=2, seed=3, **options)
+    if "vocab_size_hint" in options:
+        assert json.loads((folder / "config.json").read_text())["vocab_size"] % 2 == 1
     prompts = ["def fibonacci(n):", "The quick brown fox", "1, 2, 3, 4,"]
     outputs = []
     for tp in (1, 2):

@@ -31,6 +31,7 @@ from torch import nn
 
 from radixserve.runtime.models.linear import Linear
 from radixserve.runtime.models.llama import LlamaForCausalLM, MergedLinear, ModelArgs, SparseMoE
+from radixserve.runtime.safetensors_read import Cut
 
 
 def check_shardable(args: ModelArgs, world: int) -> None:
@@ -124,14 +125,29 @@ def _vocab_rows(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tens
     return shard, start
 
 
+def _share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank ``rank``'s range of ``n`` (divisible by ``world``; ``check_shardable``), as ``chunk`` cuts it."""
+    size = n // world
+    return rank * size, (rank + 1) * size
+
+
 class ShardCuts:
-    """Checkpoint tensor name -> this rank's piece of it, the same cut ``shard_model`` made of the parameter; a
-    name it does not know (norms, a single-process model) passes whole."""
+    """Checkpoint tensor name (the decoder's) -> this rank's piece of it, the same cut ``shard_model`` made of the
+    parameter; a name it does not know (norms, a single-process model) passes whole.
+
+    Two ways to apply a cut: ``select`` tells the safetensors reader which bytes to read (``Cut``: the rank never
+    holds the whole tensor, nor frees the rest of it, which left holes in its heap), and ``cut`` / ``__call__`` cut a
+    whole tensor (a GGUF checkpoint's). A tensor ``select`` already cut passes ``__call__`` as it is."""
 
     def __init__(self) -> None:
         self.plan: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        self.regions: dict[str, Callable[[list[int]], Cut | None]] = {}
+        self._read_cut: set[str] = set()  # names the reader cut (select), not cut again
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self._read_cut:
+            self._read_cut.discard(name)
+            return tensor
         cut = self.plan.get(name)
         return tensor if cut is None else cut(tensor)
 
@@ -139,24 +155,45 @@ class ShardCuts:
         for name, tensor in weights:
             yield name, self(name, tensor)
 
+    def select(self, name: str, shape: list[int]) -> Cut | None:
+        """The part of the checkpoint tensor ``name`` (of ``shape``) this rank reads, or None for all of it."""
+        region = self.regions.get(name)
+        found = region(shape) if region is not None else None
+        if found is not None:
+            self._read_cut.add(name)
+        return found
+
     def colwise(self, owner: str, name: str, linear: MergedLinear, rank: int, world: int) -> None:
         """A merged projection's parts (q/k/v, gate/up) are cut by rows, each on its own; a checkpoint that holds
         the merged tensor whole (Phi-3) is cut piece by piece. Call it before the projection itself is sharded
         (its ``parts`` are still the full sizes)."""
         full = list(linear.parts.values())
+        starts = [sum(full[:i]) for i in range(len(full))]
+        fused = Cut(rows=tuple((s + a, s + b) for s, n in zip(starts, full) for a, b in [_share(n, rank, world)]))
         for leaf in ("weight", "bias"):
             for part in linear.parts:
                 self.plan[f"{owner}.{part}.{leaf}"] = lambda t: _rows(t, rank, world)
+                self.regions[f"{owner}.{part}.{leaf}"] = lambda shape: Cut(rows=(_share(shape[0], rank, world),))
             self.plan[f"{name}.{leaf}"] = lambda t, full=full: torch.cat(
                 [_rows(piece, rank, world) for piece in t.split(full, dim=0)]
             )
+            self.regions[f"{name}.{leaf}"] = lambda shape, fused=fused: fused
 
     def rowwise(self, name: str, rank: int, world: int) -> None:
         self.plan[f"{name}.weight"] = lambda t: t.chunk(world, dim=1)[rank].clone()
+        self.regions[f"{name}.weight"] = lambda shape: Cut(rows=((0, shape[0]),), cols=_share(shape[1], rank, world))
         self.plan[f"{name}.bias"] = (lambda t: t) if rank == 0 else torch.zeros_like
+        if rank != 0:  # the bias is added once, by rank 0: the others read nothing and hold zeros
+            self.regions[f"{name}.bias"] = lambda shape: Cut(rows=(), out_rows=shape[0])
 
     def vocab(self, name: str, rank: int, world: int) -> None:
         self.plan[name] = lambda t: _vocab_rows(t, rank, world)[0]
+
+        def region(shape: list[int]) -> Cut:
+            start, end, size = vocab_shard(shape[0], rank, world)
+            return Cut(rows=((start, end),), out_rows=size)
+
+        self.regions[name] = region
 
 
 def shard_model(model: LlamaForCausalLM, rank: int, world: int, group: Any) -> ShardCuts:

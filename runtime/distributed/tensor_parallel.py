@@ -147,7 +147,7 @@ def start_leader(config: EngineConfig) -> tuple[LoadedModel, Groups, list[Any], 
         torch.set_num_threads(threads_per_rank(layout.per_node))
         groups = init_groups(layout, init_addr, device)
         loaded = load_model(
-            replace(config, device=str(device)), shard=lambda m: shard_model(m, 0, config.tp, groups.model).cut
+            replace(config, device=str(device)), shard=lambda m: shard_model(m, 0, config.tp, groups.model)
         )
     except BaseException:
         for p in procs:
@@ -202,7 +202,7 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
     groups = init_groups(layout, init_addr, device)
     loaded = load_model(
         replace(config, device=str(device)),
-        shard=lambda m: shard_model(m, layout.rank, layout.world, groups.model).cut,
+        shard=lambda m: shard_model(m, layout.rank, layout.world, groups.model),
     )
     model, args = loaded.model, loaded.args
     _, num_slots = broadcast_command(None, groups.control)

@@ -10,6 +10,7 @@ different block types (K-quant mixes do that) are unpacked and re-quantized toge
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,20 +72,30 @@ def load_weights(
 class StagingPool:
     """Buffers the reader fills with weights that are packed and dropped right after (``linear.LoadPacker``), given
     back once packed and reused for the next weight of the same size: each fresh buffer costs page faults (and a
-    large one a mapping and an unmapping, which stall the other threads' faults). Thread-safe: the reader takes,
+    large one a mapping and an unmapping, which stall the other threads' faults). A size whose weights are all
+    taken (``expect`` says how many there are) is not pooled any more: the buffers go back to the system as the
+    last layer is packed, instead of at the end, at the top of the load's memory. Thread-safe: the reader takes,
     the packers give back."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lent: set[int] = set()
+        self._left: dict[int, int] = {}  # bytes -> takes still expected
         self._lock = threading.Lock()
+
+    def expect(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        """One more weight of this size will be taken."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        self._left[nbytes] = self._left.get(nbytes, 0) + 1
 
     def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             free = self._free.get(nbytes)
-            raw = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+            raw = free.pop() if free else _mapped(nbytes)
             self._lent.add(raw.data_ptr())
+            if self._left.get(nbytes, 0) > 0:
+                self._left[nbytes] -= 1
         return raw.view(dtype).view(shape)
 
     def give(self, tensor: torch.Tensor) -> None:
@@ -94,12 +105,23 @@ class StagingPool:
                 return
             self._lent.discard(tensor.data_ptr())
             raw = tensor.reshape(-1).view(torch.uint8)
-            self._free.setdefault(raw.numel(), []).append(raw)
+            if self._left.get(raw.numel(), 0) > 0:  # (else dropped: unmapped once the caller lets go)
+                self._free.setdefault(raw.numel(), []).append(raw)
 
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
             self._lent.clear()
+            self._left.clear()
+
+
+def _mapped(nbytes: int) -> torch.Tensor:
+    """A buffer of its own mapping (unmapped when the last tensor on it goes), not from the heap: glibc puts
+    allocations of a few MiB on its heap once its mmap threshold has risen, and freeing them there (the pool is
+    dropped after loading) leaves holes that stay resident."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 class MergedRows:
@@ -123,6 +145,7 @@ class MergedRows:
             if not isinstance(parts, dict):
                 if staging is not None and isinstance(module, nn.Linear) and module.weight is not None:
                     self.whole[f"{name}.weight"] = tuple(module.weight.shape)
+                    staging.expect(dtype, tuple(module.weight.shape))
                 continue
             owner = name.rpartition(".")[0]
             for leaf in ("weight", "bias"):
@@ -132,6 +155,8 @@ class MergedRows:
                 for part in parts:
                     self.parts[f"{owner}.{part}.{leaf}"] = (f"{name}.{leaf}", module.part_rows(part), param.shape)
                 self.counts[f"{name}.{leaf}"] = len(parts)
+                if staging is not None and leaf == "weight":
+                    staging.expect(dtype, tuple(param.shape))
 
     def __call__(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
         name = self.rename(name)
