@@ -10,6 +10,7 @@ engine, the ratio, the acceptance rate and tokens per verification, and whether 
     python -m bench.speculative --dtype float32 --rounds 3
     python -m bench.speculative --quantization none     # plain bfloat16 weights instead of the GGUF's blocks
     python -m bench.speculative --identity              # greedy identity only: 32 prompts x 128 tokens, float32
+    python -m bench.speculative --identity --deterministic   # ... with --enable-deterministic-inference
 
 ``--identity`` checks exactness instead of speed: 32 prompts (24 RAG, 8 free text) x ``--max-new-tokens``, greedy,
 radix cache on, all at once and one at a time, and 8 of them under a JSON schema; every output of the ngram engine
@@ -155,10 +156,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=3)
     parser.add_argument("--identity", action="store_true", help="check greedy identity instead of timing")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="both engines with --enable-deterministic-inference"
+    )
     args = parser.parse_args(argv)
     dtype = "float32" if args.identity and args.dtype == "auto" else args.dtype
     common: dict[str, Any] = dict(
-        model=args.model, device="cpu", dtype=dtype, quantization=args.quantization, max_total_tokens=32768
+        model=args.model,
+        device="cpu",
+        dtype=dtype,
+        quantization=args.quantization,
+        max_total_tokens=32768,
+        deterministic_inference=args.deterministic,
     )
     if args.identity:
         identity(args, common)

@@ -64,6 +64,13 @@ class EngineConfig:
         "CPU: keep each plain float weight beside oneDNN's packed copy (twice the linear weights' memory) so that "
         "one-to-three-row bfloat16 steps take the AVX-512 BF16 kernel (one-user decode a fifth faster, measured).",
     )
+    deterministic_inference: bool = _opt(
+        False,
+        "CPU: every token's attention is the same computation whatever chunk, batch or cached prefix it comes with "
+        "(prefill queries attend on the decode kernel), so greedy output does not depend on what the radix cache "
+        "held or what ran beside it. Slower prefill of long prompts. Not for attention soft-capping (Gemma 2).",
+        aliases=("--enable-deterministic-inference",),
+    )
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
     max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 sizes it with --mem-fraction-static.")
     mem_fraction_static: float = _opt(

@@ -23,7 +23,7 @@ import torch
 
 from radixserve.constrained import CompiledGrammar, ConstraintSpec
 from radixserve.runtime import envs
-from radixserve.runtime.attention import TorchReferenceBackend, cpu_kernels
+from radixserve.runtime.attention import attention_backend
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.distributed import TensorParallelModel, finish_start, start_leader
 from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
@@ -99,7 +99,7 @@ class Engine(EngineAPI):
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
         model = self._tp if self._tp is not None else loaded.model
-        attention = TorchReferenceBackend(cpu_kernels=cpu_kernels.applies(loaded.device, loaded.dtype))
+        attention = attention_backend(config.deterministic_inference, loaded.device, loaded.dtype, args.attn_softcap)
         runner = ModelRunner(model, pool, attention, sampler, loaded.device)
         tier = None
         if config.enable_hierarchical_cache:

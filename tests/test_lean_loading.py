@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from radixserve.runtime import safetensors_read
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.models.linear import Linear, onednn_usable
-from radixserve.runtime import safetensors_read
 from radixserve.runtime.safetensors_read import Cut, iter_file, read_ahead
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model

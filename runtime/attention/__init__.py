@@ -8,7 +8,7 @@ from radixserve.runtime.attention.base import (
     ForwardContext,
     PrefixGroup,
 )
-from radixserve.runtime.attention.torch_ref import TorchReferenceBackend
+from radixserve.runtime.attention.torch_ref import TorchReferenceBackend, attention_backend
 
 __all__ = [
     "AttentionBackend",
@@ -18,4 +18,5 @@ __all__ = [
     "ForwardContext",
     "PrefixGroup",
     "TorchReferenceBackend",
+    "attention_backend",
 ]

@@ -130,11 +130,24 @@ def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
 
 class TorchReferenceBackend(AttentionBackend):
     """``cpu_kernels=True`` runs float32 / bfloat16 CPU decode attention on the compiled kernel when it builds on this
-    machine (see ``runtime.attention.cpu_kernels``; the first use on a machine compiles it, ~20 s)."""
+    machine (see ``runtime.attention.cpu_kernels``; the first use on a machine compiles it, ~20 s).
 
-    def __init__(self, cpu_kernels: bool = False) -> None:
+    ``deterministic=True`` (``--enable-deterministic-inference``) attends every query of a prefill chunk as a
+    kernel decode row too, so each token's attention is one fixed computation over its query and the keys up to
+    it, whatever chunk, batch or cached prefix it comes with. SDPA's blocking depends on the chunk's lengths: the
+    same token prefilled whole or after a cached prefix differs in the last bits (2e-7), and over GGUF blocks the
+    kernel's int8 rounding of the activations can turn that into a different greedy token (a prompt with its first
+    half cached: 7 of 12 64-token continuations differed, float32). Costs prefill speed on long chunks."""
+
+    def __init__(self, cpu_kernels: bool = False, deterministic: bool = False) -> None:
         self._workspace: torch.Tensor | None = None
-        self._decode_kernel: DecodeAttention | None = decode_attention_op() if cpu_kernels else None
+        self._decode_kernel: DecodeAttention | None = decode_attention_op() if cpu_kernels or deterministic else None
+        if deterministic and self._decode_kernel is None:
+            raise ValueError(
+                "--enable-deterministic-inference needs the compiled CPU attention kernel, which did not build on "
+                "this machine (see the log); run without it"
+            )
+        self.deterministic = deterministic
 
     def prepare(self, meta: AttentionMetadata, pool: KVPool) -> _StepState:
         decode = None
@@ -158,10 +171,13 @@ class TorchReferenceBackend(AttentionBackend):
         extends: list[torch.Tensor | None] = []
         short: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for seq in meta.extends:
-            as_rows = kernel and seq.kv_slots is not None and seq.q_len <= SHORT_EXTEND
+            slots = seq.kv_slots
+            if slots is None and self.deterministic:  # a fresh sequence: its keys are the chunk's own slots
+                slots = meta.out_slots[seq.q_start : seq.q_start + seq.q_len]
+            as_rows = kernel and slots is not None and (self.deterministic or seq.q_len <= SHORT_EXTEND)
             # A short chunk after a cached prefix (a speculative verification, a jump-forward's forced tokens): each
             # query is a decode row of the kernel over the prefix up to itself, read in place (no gather).
-            short.append(_query_rows(seq.kv_slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
+            short.append(_query_rows(slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
             extends.append(None if seq.kv_slots is None or as_rows else _kv_rows(seq.kv_slots, pool))
         return _StepState(decode, tuple(extends), short_extends=tuple(short))
 
@@ -238,24 +254,35 @@ class TorchReferenceBackend(AttentionBackend):
         options: AttnOptions,
     ) -> torch.Tensor:
         """A layer with a window or a scale (no soft-capping) decodes on the compiled kernel over each row's last
-        ``window`` slots; everything else goes through ``masked``."""
+        ``window`` slots, and so do the queries of its prefill chunks when deterministic; everything else goes
+        through ``masked``."""
         kernel = self._decode_kernel
-        if not meta.num_decode or options.softcap is not None or kernel is None or not cpu_kernels.applies(
-            kv.device, kv.dtype
-        ):
+        usable = options.softcap is None and kernel is not None and cpu_kernels.applies(kv.device, kv.dtype)
+        as_rows = usable and self.deterministic  # (``prepare`` made every chunk's query rows)
+        if not usable or not (meta.num_decode or as_rows):
             return masked_attention(q, k, v, kv, meta, self._whole_rows(meta, state), options)
-        slots, lens = self._whole_rows(meta, state) or (None, None)
-        assert slots is not None and lens is not None
-        if options.window is not None:
-            slots, lens = state.windowed.get(options.window) or _windowed(slots, lens, options.window)
-            state.windowed[options.window] = (slots, lens)
+        assert kernel is not None
         nd, d = meta.num_decode, q.shape[-1]
         scale = options.scale if options.scale is not None else d**-0.5
-        decoded = kernel(q[:nd].contiguous(), kv, slots, lens, scale)[0]
-        if not meta.extends:
-            return decoded
-        out = masked_attention(q, k, v, kv, meta, None, options)
-        out[:nd] = decoded
+        decoded = None
+        if nd:
+            slots, lens = self._whole_rows(meta, state) or (None, None)
+            assert slots is not None and lens is not None
+            if options.window is not None:
+                slots, lens = state.windowed.get(options.window) or _windowed(slots, lens, options.window)
+                state.windowed[options.window] = (slots, lens)
+            decoded = kernel(q[:nd].contiguous(), kv, slots, lens, scale)[0]
+            if not meta.extends:
+                return decoded
+        out = torch.empty_like(q) if as_rows else masked_attention(q, k, v, kv, meta, None, options)
+        if decoded is not None:
+            out[:nd] = decoded
+        if as_rows:
+            for seq, rows in zip(meta.extends, state.short_extends, strict=True):
+                assert rows is not None
+                table, lens = rows if options.window is None else _windowed(rows[0], rows[1], options.window)
+                s, e = seq.q_start, seq.q_start + seq.q_len
+                out[s:e] = kernel(q[s:e].contiguous(), kv, table, lens, scale)[0]
         return out
 
     def _whole_rows(self, meta: AttentionMetadata, state: _StepState) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -355,3 +382,21 @@ class TorchReferenceBackend(AttentionBackend):
             den.index_copy_(0, group.rows, den.index_select(0, group.rows) * a + denp * c)
             m.index_copy_(0, group.rows, new_m)
         return (num / den).to(dtype).view(b * n_kv, g, d)
+
+
+def attention_backend(
+    deterministic: bool, device: torch.device, dtype: torch.dtype, softcap: float | None
+) -> TorchReferenceBackend:
+    """The backend an engine (or a tensor-parallel rank) attends with: the compiled CPU kernels where they apply.
+    ``ValueError`` where ``deterministic`` (``--enable-deterministic-inference``) cannot hold."""
+    kernels = cpu_kernels.applies(device, dtype)
+    if deterministic and not kernels:
+        raise ValueError(
+            "--enable-deterministic-inference runs on the CPU attention kernel: use --device cpu with --dtype "
+            f"float32 or bfloat16 (got {device}, {dtype})"
+        )
+    if deterministic and softcap is not None:
+        raise ValueError(
+            "--enable-deterministic-inference does not cover attention soft-capping (Gemma 2); run without it"
+        )
+    return TorchReferenceBackend(cpu_kernels=kernels, deterministic=deterministic)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from radixserve.runtime.attention import TorchReferenceBackend, cpu_kernels
+from radixserve.runtime.attention import attention_backend
 from radixserve.runtime.attention.base import ForwardContext
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.distributed.group import (
@@ -208,7 +208,7 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
     _, num_slots = broadcast_command(None, groups.control)
     kv_heads = args.num_kv_heads // layout.world
     pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, device)
-    attention = TorchReferenceBackend(cpu_kernels=cpu_kernels.applies(device, loaded.dtype))
+    attention = attention_backend(config.deterministic_inference, device, loaded.dtype, args.attn_softcap)
     dist.barrier(group=groups.control)
     with torch.inference_mode():
         while True:
