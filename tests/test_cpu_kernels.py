@@ -59,6 +59,27 @@ def test_kernel_in_bfloat16_reads_the_pool_in_its_dtype(op, heads: int, kv_heads
 
 
 @torch.inference_mode()
+def test_one_slot_row_shared_by_every_query(op) -> None:
+    """A prefill chunk's queries over one slot table, each seeing a prefix of it: the same numbers as a table per
+    query, bit for bit; a bad slot past what any query reads is not looked at, one within it is refused."""
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(2, 3, 400, 64, generator=gen)
+    table = torch.randperm(400, generator=gen)[:300]
+    lens = torch.tensor([250, 251, 252, 253])
+    q = torch.randn(4, 9, 64, generator=gen)
+    shared = op(q, kv, table[None, :].contiguous(), lens, 0.125)
+    each = op(q, kv, table[None, :].expand(4, -1).contiguous(), lens, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(shared, each, strict=True))
+    torch.testing.assert_close(shared[0], reference_decode_attention(q, kv, table[None, :], lens, 0.125)[0])
+    padded = table.clone()
+    padded[260:] = 10_000  # past the longest length: never read
+    op(q, kv, padded[None, :].contiguous(), lens, 0.125)
+    padded[252] = 10_000
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(q, kv, padded[None, :].contiguous(), lens, 0.125)
+
+
+@torch.inference_mode()
 def test_kernel_handles_empty_rows_and_refuses_bad_slots(op) -> None:
     kv = torch.randn(2, 3, 50, 64)
     q = torch.randn(2, 9, 64)

@@ -25,7 +25,8 @@ from radixserve.runtime.threads import one_intra_op_thread
 logger = logging.getLogger("radixserve.kernels")
 
 
-# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W], lens [B], scale) -> (out [B, H, D] in q's dtype, lse [B, H] float32)
+# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W] or [1, W] shared by all rows, lens [B], scale)
+#   -> (out [B, H, D] in q's dtype, lse [B, H] float32)
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], list[torch.Tensor]]
 
 
@@ -48,7 +49,7 @@ def reference_decode_attention(
     out = torch.empty_like(q)
     lse = torch.empty(b, h, dtype=torch.float32)
     for i in range(b):
-        idx = slots[i, : int(lens[i])]
+        idx = slots[i if slots.shape[0] > 1 else 0, : int(lens[i])]
         keys = kv[0][:, idx].repeat_interleave(h // n_kv, dim=0).float()  # [H, L, D]
         values = kv[1][:, idx].repeat_interleave(h // n_kv, dim=0).float()
         scores = torch.einsum("hd,hld->hl", q[i].float(), keys) * scale

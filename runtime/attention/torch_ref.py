@@ -64,12 +64,12 @@ class _StepState:
 
 
 def _query_rows(kv_slots: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's queries as kernel decode rows: the chunk's slot table for each, and the length each sees (the
-    query at offset ``i`` of ``q_len`` sees ``kv_len - q_len + i + 1`` keys)."""
+    """A chunk's queries as kernel decode rows: the chunk's slot table, one row the kernel shares among them (a
+    table per query would be q_len x kv_len slots: 512 MB for a 2,048-token chunk after 32K cached tokens), and the
+    length each sees (the query at offset ``i`` of ``q_len`` sees ``kv_len - q_len + i + 1`` keys)."""
     kv_len = kv_slots.shape[0]
-    table = kv_slots[None, :].expand(q_len, kv_len).contiguous()
     lens = torch.arange(kv_len - q_len + 1, kv_len + 1, device=kv_slots.device)
-    return table, lens
+    return kv_slots.reshape(1, kv_len).contiguous(), lens
 
 
 def _windowed(slots: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,7 +280,9 @@ class TorchReferenceBackend(AttentionBackend):
         if as_rows:
             for seq, rows in zip(meta.extends, state.short_extends, strict=True):
                 assert rows is not None
-                table, lens = rows if options.window is None else _windowed(rows[0], rows[1], options.window)
+                table, lens = rows
+                if options.window is not None:  # (per query: each one's window starts elsewhere)
+                    table, lens = _windowed(table.expand(lens.shape[0], -1), lens, options.window)
                 s, e = seq.q_start, seq.q_start + seq.q_len
                 out[s:e] = kernel(q[s:e].contiguous(), kv, table, lens, scale)[0]
         return out

@@ -8,7 +8,8 @@
 // Layouts (contiguous; q and kv both float32 or both bfloat16, slots and lens int64):
 //   q      [B, H, D]            the decode rows' queries; query head i uses KV head i / (H / Hkv)
 //   kv     [2, Hkv, N, D]       one layer of the pool: keys, then values, head-major
-//   slots  [B, W]               each row's slots, first lens[b] valid (the rest is padding, never read)
+//   slots  [B, W] or [1, W]     each row's slots, first lens[b] valid (the rest is padding, never read); one row
+//                               for all: the queries of one prefill chunk, each seeing a prefix of its keys
 //   lens   [B]
 // Returns out [B, H, D] in q's dtype (softmax-weighted values) and lse [B, H] float32 (log-sum-exp of the scaled
 // scores), so a caller can merge this partial result with attention over other keys (cascade attention over a
@@ -19,6 +20,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -196,7 +198,7 @@ template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& slots, const torch::Tensor& lens,
          float sc, torch::Tensor& out, torch::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(1);
+  const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(0) == 1 ? 0 : slots.size(1);  // row stride
   const int64_t G = H / Hkv;
   const T* qp = q.data_ptr<T>();
   const T* kp = kv.data_ptr<T>();
@@ -256,13 +258,19 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(1);
   TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "decode_attention: shapes disagree");
-  TORCH_CHECK(slots.size(0) == B && lens.size(0) == B, "decode_attention: one slot row and length per query");
+  TORCH_CHECK((slots.size(0) == B || slots.size(0) == 1) && lens.size(0) == B,
+              "decode_attention: a slot row per query (or one for all) and a length per query");
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  const bool shared = slots.size(0) == 1;
+  int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= W, "decode_attention: length out of range");
+    longest = std::max(longest, lp[b]);
+  }
+  for (int64_t b = 0; b < (shared ? 1 : B); ++b) {  // a shared row is checked once, as far as any query reads
     bool ok = true;
-    for (int64_t j = 0; j < lp[b]; ++j) ok &= sp[b * W + j] >= 0 && sp[b * W + j] < N;
+    for (int64_t j = 0; j < (shared ? longest : lp[b]); ++j) ok &= sp[b * W + j] >= 0 && sp[b * W + j] < N;
     TORCH_CHECK(ok, "decode_attention: slot out of range");  // a bad slot must not read outside the pool
   }
   auto out = torch::empty({B, H, D}, q.options());
