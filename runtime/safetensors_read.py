@@ -100,6 +100,16 @@ class Cut:
         return [n if self.out_rows is None else self.out_rows, *rest]
 
 
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The same cut of a tensor already in memory (one read some other way: a GGUF checkpoint's)."""
+        out = tensor.new_zeros(self.shape(list(tensor.shape)))
+        at = 0
+        for a, b in self.rows:
+            out[at : at + b - a] = tensor[a:b] if self.cols is None else tensor[a:b, self.cols[0] : self.cols[1]]
+            at += b - a
+        return out
+
+
 # Which part of a tensor to read: ``select(name, dtype, shape)`` gives a ``Cut`` or None for the whole tensor.
 Select = Callable[[str, torch.dtype, list[int]], Cut | None]
 

@@ -70,6 +70,7 @@ def test_reader_reads_only_the_cut_a_rank_asks_for(tmp_path: Path, monkeypatch: 
                 continue
             got = dict(iter_file(file, select=lambda n, _d, _s, cut=cut, name=name: cut if n == name else None))
             assert torch.equal(got[name], want(full)), (cut, name)
+            assert torch.equal(cut.take(full), want(full)), (cut, name)  # the same cut of a tensor in memory
             other = "b" if name == "w" else "w"
             assert torch.equal(got[other], b if other == "b" else w)  # not selected: read whole
     # Into a destination of the cut's shape (a merged projection's rows, a pooled buffer).

@@ -135,12 +135,12 @@ class ShardCuts:
     """Checkpoint tensor name (the decoder's) -> this rank's piece of it, the same cut ``shard_model`` made of the
     parameter; a name it does not know (norms, a single-process model) passes whole.
 
-    Two ways to apply a cut: ``select`` tells the safetensors reader which bytes to read (``Cut``: the rank never
-    holds the whole tensor, nor frees the rest of it, which left holes in its heap), and ``cut`` / ``__call__`` cut a
-    whole tensor (a GGUF checkpoint's). A tensor ``select`` already cut passes ``__call__`` as it is."""
+    Each cut is a ``Cut`` of the tensor's shape (``regions``), applied one of two ways: ``select`` tells the
+    safetensors reader which bytes to read (the rank never holds the whole tensor, nor frees the rest of it, which
+    left holes in its heap), and ``cut`` / ``__call__`` take it from a whole tensor (a GGUF checkpoint's). A tensor
+    ``select`` already cut passes ``__call__`` as it is."""
 
     def __init__(self) -> None:
-        self.plan: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.regions: dict[str, Callable[[list[int]], Cut | None]] = {}
         self._read_cut: set[str] = set()  # names the reader cut (select), not cut again
 
@@ -148,8 +148,9 @@ class ShardCuts:
         if name in self._read_cut:
             self._read_cut.discard(name)
             return tensor
-        cut = self.plan.get(name)
-        return tensor if cut is None else cut(tensor)
+        region = self.regions.get(name)
+        cut = region(list(tensor.shape)) if region is not None else None
+        return tensor if cut is None else cut.take(tensor)
 
     def cut(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
@@ -172,23 +173,15 @@ class ShardCuts:
         fused = Cut(rows=tuple((s + a, s + b) for s, n in zip(starts, full) for a, b in [_share(n, rank, world)]))
         for leaf in ("weight", "bias"):
             for part in linear.parts:
-                self.plan[f"{owner}.{part}.{leaf}"] = lambda t: _rows(t, rank, world)
                 self.regions[f"{owner}.{part}.{leaf}"] = lambda shape: Cut(rows=(_share(shape[0], rank, world),))
-            self.plan[f"{name}.{leaf}"] = lambda t, full=full: torch.cat(
-                [_rows(piece, rank, world) for piece in t.split(full, dim=0)]
-            )
             self.regions[f"{name}.{leaf}"] = lambda shape, fused=fused: fused
 
     def rowwise(self, name: str, rank: int, world: int) -> None:
-        self.plan[f"{name}.weight"] = lambda t: t.chunk(world, dim=1)[rank].clone()
         self.regions[f"{name}.weight"] = lambda shape: Cut(rows=((0, shape[0]),), cols=_share(shape[1], rank, world))
-        self.plan[f"{name}.bias"] = (lambda t: t) if rank == 0 else torch.zeros_like
         if rank != 0:  # the bias is added once, by rank 0: the others read nothing and hold zeros
             self.regions[f"{name}.bias"] = lambda shape: Cut(rows=(), out_rows=shape[0])
 
     def vocab(self, name: str, rank: int, world: int) -> None:
-        self.plan[name] = lambda t: _vocab_rows(t, rank, world)[0]
-
         def region(shape: list[int]) -> Cut:
             start, end, size = vocab_shard(shape[0], rank, world)
             return Cut(rows=((start, end),), out_rows=size)
