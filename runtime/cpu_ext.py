@@ -50,6 +50,7 @@ SOURCES = (
     RUNTIME / "csrc" / "simd.h",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
+    RUNTIME / "models" / "csrc" / "quant_packed.cpp",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
 )

@@ -40,40 +40,106 @@ def test_blocks_decode_as_gguf_py_decodes_them(qtype: str) -> None:
     assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))  # the compiled unpacking, where built
 
 
+def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
+    """``blocks`` as ggml's rows, or packed in 16-channel groups (skipped where this CPU has no packed kernel)."""
+    if layout == "rows":
+        return blocks
+    if quant.packed_ops() is None:
+        pytest.skip("no AVX-512 VNNI on this CPU: weights keep their rows")
+    packed = blocks.pack()
+    assert packed.packed and packed.nbytes == -(-blocks.shape[0] // 16) * 16 * blocks.data.shape[1]
+    return packed
+
+
+def _has_vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
-def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(qtype: str, rows: int) -> None:
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
+    qtype: str, rows: int, layout: str
+) -> None:
+    """67 channels (a padded last group when packed) by 96 inputs (an odd number of blocks: a short last run)."""
     rng = np.random.default_rng(1)
-    blocks, dense = _gguf_blocks(qtype, rng.standard_normal((67, 96)).astype(np.float32))
+    rows_blocks, dense = _gguf_blocks(qtype, rng.standard_normal((67, 96)).astype(np.float32))
+    blocks = _layout(rows_blocks, layout)
     x = torch.from_numpy(rng.standard_normal((rows, 96)).astype(np.float32))
     bias = torch.randn(67)
     got = quant.linear(x, blocks, bias)
     exact = x @ torch.from_numpy(dense).T + bias
     # The block kernel: int8 activations, as llama.cpp, whatever the number of rows.
-    torch.testing.assert_close(got, quant.reference_linear(x, blocks) + bias, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got, quant.reference_linear(x, rows_blocks) + bias, rtol=1e-5, atol=1e-4)
     assert float((got - exact).norm() / exact.norm()) < 0.01  # the activations' rounding only (~0.5%)
     ids = torch.tensor([0, 66, 3, 3])
     assert torch.equal(quant.embedding(ids, blocks), torch.from_numpy(dense)[ids])
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dense))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> None:
+    """Speculative verification and deterministic inference rely on it: a row computed alone, in a batch of 2-13
+    (every row-group size of the kernel) and at any place in it gives the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    blocks = _layout(quant._random_blocks(qtype, 40, 128, gen), "packed")
+    x = torch.randn(13, 128, generator=gen)
+    alone = torch.cat([quant.linear(x[i : i + 1], blocks) for i in range(13)])
+    for m in range(2, 14):
+        assert torch.equal(quant.linear(x[:m], blocks), alone[:m]), m
+    assert torch.equal(quant.linear(x.flip(0), blocks), alone.flip(0))
+    # bfloat16 rows: the same float32 sums, rounded once (no float32 copy of x is made for the kernel).
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(quant.linear(xb, blocks), quant.linear(xb.float(), blocks).to(torch.bfloat16))
+
+
+def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni() -> None:
+    assert (quant.packed_ops() is not None) == _has_vnni()
+    w = quantize_q4_1(torch.randn(32, 64))
+    assert w.pack().packed == _has_vnni()
+    if _has_vnni():
+        with pytest.raises(ValueError, match="slice it before packing"):
+            w.pack().rows(slice(0, 16))
 
 
 @pytest.mark.parametrize("slice_bytes", [quant.UNPACK_SLICE_BYTES, 4096])
+@pytest.mark.parametrize("layout", ["rows", "packed"])
 @torch.inference_mode()
 def test_a_bfloat16_prefill_step_unpacks_the_blocks_for_the_gemm(
-    slice_bytes: int, monkeypatch: pytest.MonkeyPatch
+    slice_bytes: int, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From BF16_UNPACK_FROM_ROWS rows a bfloat16 product unpacks the blocks (slice by slice of output channels
     when the slice is smaller than the matrix) and is the dequantized matmul to bfloat16 rounding, bias included;
     fewer rows keep the block kernel."""
     monkeypatch.setattr(quant, "UNPACK_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(quant, "_amx", lambda: True)  # without AMX a packed weight keeps its kernel (tested below)
     gen = torch.Generator().manual_seed(3)
     w = quantize_q4_1(torch.randn(200, 128, generator=gen))
+    want_w = reference_dequantize(w)
+    w = _layout(w, layout)
     bias = torch.randn(200, generator=gen).to(torch.bfloat16)
     for rows in (quant.BF16_UNPACK_FROM_ROWS - 1, quant.BF16_UNPACK_FROM_ROWS, 300):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
-        want = torch.nn.functional.linear(x.float(), reference_dequantize(w), bias.float())
+        want = torch.nn.functional.linear(x.float(), want_w, bias.float())
         got = quant.linear(x, w, bias)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
         assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@torch.inference_mode()
+def test_without_amx_a_packed_weight_keeps_its_kernel_at_every_row_count(
+    amx: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the bfloat16 GEMM has no AMX the int8 kernel is the faster one at prefill sizes too, and a row's
+    result then stays independent of its batch in bfloat16 as well."""
+    monkeypatch.setattr(quant, "_amx", lambda: amx)
+    gen = torch.Generator().manual_seed(5)
+    w = _layout(quantize_q4_1(torch.randn(48, 64, generator=gen)), "packed")
+    x = torch.randn(quant.BF16_UNPACK_FROM_ROWS + 6, 64, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([quant.linear(x[i : i + 1], w) for i in range(x.shape[0])])
+    assert torch.equal(quant.linear(x, w), alone) != amx
 
 
 def test_the_compiled_kernels_build_and_pass_their_check() -> None:
@@ -125,11 +191,17 @@ def test_a_quantized_gguf_serves_its_blocks_and_matches_their_dequantization(
             weights[mode] = {
                 type(m).__name__: m.qtype for m in model.modules() if getattr(m, "qtype", None) is not None
             }
+            if mode == "auto":  # linear layers repack their blocks where the CPU runs the packed kernel
+                packed = {type(m).__name__: m.qpacked for m in model.modules() if getattr(m, "qtype", None)}
+                shared = model.lm_head.qdata.data_ptr() == model.model.embed_tokens.qdata.data_ptr()
             engine.check_kv()
         finally:
             engine.shutdown()
     assert weights["none"] == {} and set(weights["auto"].values()) == {qtype}
     assert weights["auto"].keys() >= {"Linear", "MergedLinear", "Embedding"}
+    # The tiny model ties its head to the embedding: both read the head's one (packed) copy.
+    assert packed == {"Linear": _has_vnni(), "MergedLinear": _has_vnni(), "Embedding": _has_vnni()}
+    assert shared
     assert outs["auto"] == outs["none"]
 
 

@@ -7,10 +7,12 @@
 #include "../models/csrc/bf16_linear.cpp"
 #include "../models/csrc/fused_ops.cpp"
 #include "../models/csrc/quant_linear.cpp"
+#include "../models/csrc/quant_packed.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_attention(m);
   register_quant_linear(m);
+  register_quant_packed(m);
   register_fused_ops(m);
   register_bf16_linear(m);
 }

@@ -128,18 +128,24 @@ class _Quantizable:
 
     qtype: str | None = None
     qshape: tuple[int, int] | None = None
+    qpacked: bool = False
+    # A linear layer repacks its blocks for the CPU kernel (``QuantTensor.pack``); an embedding keeps what it is
+    # given (its lookups read either layout), so that a tied head and embedding share one packed copy.
+    _pack_blocks: bool = False
 
     def set_quantized(self, w: QuantTensor) -> None:
         """Keep the weight as ``w``'s blocks; the float parameter goes (it is never materialized)."""
+        if self._pack_blocks:
+            w = w.pack()
         self.register_parameter("weight", None)  # type: ignore[attr-defined]
         self.register_buffer("qdata", w.data, persistent=False)  # type: ignore[attr-defined]
-        self.qtype, self.qshape = w.qtype, w.shape
+        self.qtype, self.qshape, self.qpacked = w.qtype, w.shape, w.packed
 
     @property
     def quant(self) -> QuantTensor | None:
         if self.qtype is None:
             return None
-        return QuantTensor(self.qtype, self.qdata, self.qshape)  # type: ignore[attr-defined,arg-type]
+        return QuantTensor(self.qtype, self.qdata, self.qshape, self.qpacked)  # type: ignore[attr-defined,arg-type]
 
 
 class Linear(_Quantizable, nn.Linear):
@@ -153,6 +159,7 @@ class Linear(_Quantizable, nn.Linear):
     # Only the packed copy is left (``release_plain``): ``weight`` is a meta tensor, ``_packed`` is the weight.
     _released: bool = False
     _pack_allowed: bool = True  # False: this weight is shared (a tied head) and is not packed (see prepack)
+    _pack_blocks = True
 
     def reset_parameters(self) -> None:
         """No random initialization: the weights always come from a checkpoint (and on the meta device the

@@ -217,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         quantized = getattr(embed, "quant", None)  # a tensor-parallel embedding has no blocks
         if quantized is not None:
-            self.lm_head.set_quantized(quantized)
+            self.lm_head.set_quantized(quantized)  # packed for the CPU kernel where it runs
+            embed.set_quantized(self.lm_head.quant)  # then both read that one copy
         else:
             self.lm_head.weight = embed.weight
 

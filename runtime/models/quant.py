@@ -6,7 +6,10 @@ merged projections) and permuting them (the q/k layout of llama.cpp) work on the
 
 ``linear(x, w)``: the compiled kernel reads the blocks as they are, 4-6x fewer bytes than a float32 weight, and
 multiplies them with x rounded to int8 per block (``reference_linear`` defines the arithmetic, llama.cpp's), for any
-number of rows, so that a row's result does not depend on its batch. Without the kernel (no compiler, not a CPU)
+number of rows, so that a row's result does not depend on its batch. On a CPU with AVX-512 VNNI a weight is first
+repacked (``QuantTensor.pack``: the same bytes, 16 output channels interleaved, ``csrc/quant_packed.cpp``), for
+which the kernel runs 2-4x fewer instructions per weight: the layers a decode step runs are then bound by memory,
+not by the kernel's bookkeeping. Without the kernel (no compiler, not a CPU)
 the weight is unpacked to float and multiplied exactly. ``reference_dequantize`` and ``reference_linear`` are the
 pure-PyTorch definitions the kernels are checked against.
 """
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.runtime.cpu_ext import load_kernels
+from radixserve.runtime.cpu_features import cpu_flags
 
 logger = logging.getLogger("radixserve.kernels")
 
@@ -31,19 +35,29 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 
+# Output channels per group of a packed weight (``QuantTensor.pack``).
+GROUP = 16
+
+
 @dataclass(frozen=True)
 class QuantTensor:
-    """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, K // 32 * BLOCK_BYTES[qtype]]``."""
+    """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, K // 32 * BLOCK_BYTES[qtype]]``, rows as ggml writes
+    them; or, ``packed``, ``[ceil(N / 16), 16 * K // 32 * BLOCK_BYTES[qtype]]``: groups of 16 channels interleaved
+    for the AVX-512 VNNI kernel (the same bytes, the last group padded), made by ``pack`` once the weight is final
+    (row slicing, merging and permuting need the row layout)."""
 
     qtype: str
     data: torch.Tensor
     shape: tuple[int, int]
+    packed: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.shape
         if self.qtype not in QTYPES:
             raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
-        if k % BLOCK or tuple(self.data.shape) != (n, k // BLOCK * BLOCK_BYTES[self.qtype]):
+        row = k // BLOCK * BLOCK_BYTES[self.qtype]
+        want = (-(-n // GROUP), GROUP * row) if self.packed else (n, row)
+        if k % BLOCK or tuple(self.data.shape) != want:
             raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
 
     @property
@@ -51,10 +65,22 @@ class QuantTensor:
         return self.data.nbytes
 
     def rows(self, index: slice | torch.Tensor) -> QuantTensor:
+        if self.packed:
+            raise ValueError("a packed weight's rows are interleaved; slice it before packing")
         data = self.data[index]
         return QuantTensor(self.qtype, data, (data.shape[0], self.shape[1]))
 
+    def pack(self) -> QuantTensor:
+        """This weight in 16-channel groups where this CPU runs the packed kernel; else itself."""
+        op = packed_ops()
+        if self.packed or op is None or self.data.device.type != "cpu":
+            return self
+        data = op.pack(self.data.contiguous(), QTYPES[self.qtype], self.shape[1])
+        return QuantTensor(self.qtype, data, self.shape, packed=True)
+
     def dequantize(self) -> torch.Tensor:
+        if self.packed:
+            return packed_ops().dequantize(self.data, QTYPES[self.qtype], self.shape[1], self.shape[0])
         op = quant_ops()
         if op is not None and self.data.device.type == "cpu":
             return op.dequantize(self.data, QTYPES[self.qtype], self.shape[1])
@@ -160,6 +186,37 @@ def quant_ops():  # noqa: ANN201 - the compiled module, or None
     return module
 
 
+@functools.cache
+def packed_ops():  # noqa: ANN201 - the compiled module, or None
+    """The 16-channel-group kernels where this CPU has AVX-512 VNNI and they agree with ``reference_linear`` (and
+    the row layout's unpacking) on every block type and row count 1-7; or ``None`` (weights keep their rows)."""
+    kernels = load_kernels()
+    if kernels is None or quant_ops() is None or not kernels.quant_packed.supported():
+        return None
+    module = kernels.quant_packed
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for qtype in QTYPES:
+            w = _random_blocks(qtype, 37, 96, gen)
+            code = QTYPES[qtype]
+            data = module.pack(w.data, code, 96)
+            ref = reference_dequantize(w)
+            ok = torch.equal(module.dequantize(data, code, 96, 37), ref)
+            ids = torch.tensor([0, 36, 17])
+            ok &= torch.equal(module.rows(data, ids, code, 96, 37), ref[ids])
+            x = torch.randn(7, 96, generator=gen)
+            want = reference_linear(x, w)
+            for m in range(1, 8):
+                ok &= torch.allclose(module.linear(x[:m], data, code, 96, 37), want[:m], rtol=1e-4, atol=1e-4)
+            xb = x.to(torch.bfloat16)  # bfloat16 in, the float32 sums rounded once to bfloat16 out
+            as_float = module.linear(xb.float(), data, code, 96, 37)
+            ok &= torch.equal(module.linear(xb, data, code, 96, 37), as_float.to(xb.dtype))
+            if not ok:
+                logger.warning("packed quantized-linear kernel disagrees with PyTorch on %s; keeping rows", qtype)
+                return None
+    return module
+
+
 def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
     """Random but valid blocks (finite fp16 scales) of ``qtype``."""
     nb, bs = k // BLOCK, BLOCK_BYTES[qtype]
@@ -181,15 +238,38 @@ BF16_UNPACK_FROM_ROWS = 64
 UNPACK_SLICE_BYTES = 8 * 2**20
 
 
-def _unpacked_bf16_linear(op, x2: torch.Tensor, w: QuantTensor) -> torch.Tensor:  # noqa: ANN001
+def _amx() -> bool:
+    return "amx_bf16" in cpu_flags()
+
+
+def _unpacks_for_gemm(w: QuantTensor, x2: torch.Tensor) -> bool:
+    """Whether this product unpacks the blocks for oneDNN's bfloat16 GEMM rather than run the block kernel: for
+    steps of ``BF16_UNPACK_FROM_ROWS`` rows or more, where that GEMM is faster. With AMX it is (4x at 2,048 rows).
+    Without AMX the packed kernel's int8 products outrun a bfloat16 GEMM at every row count (2-core AMD EPYC,
+    AVX-512 BF16 and VNNI, 1B Llama shapes: 3-4x at 64 rows, 1.0-1.5x at 1,024), so a packed weight never
+    unpacks there."""
+    if x2.dtype != torch.bfloat16 or x2.shape[0] < BF16_UNPACK_FROM_ROWS:
+        return False
+    return not w.packed or _amx()
+
+
+def _dequantized_rows(w: QuantTensor, n0: int, n1: int) -> torch.Tensor:
+    """Channels ``[n0, n1)`` of ``w`` as float32 (``n0`` a multiple of ``GROUP`` for a packed weight)."""
     n, k = w.shape
-    step = max(16, UNPACK_SLICE_BYTES // (4 * k))
+    if w.packed:
+        return packed_ops().dequantize(w.data[n0 // GROUP : -(-n1 // GROUP)], QTYPES[w.qtype], k, n1 - n0)
+    return quant_ops().dequantize(w.data[n0:n1], QTYPES[w.qtype], k)
+
+
+def _unpacked_bf16_linear(x2: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    n, k = w.shape
+    step = max(GROUP, UNPACK_SLICE_BYTES // (4 * k) // GROUP * GROUP)
     if step >= n:
-        return F.linear(x2, op.dequantize(w.data, QTYPES[w.qtype], k).to(x2.dtype))
+        return F.linear(x2, _dequantized_rows(w, 0, n).to(x2.dtype))
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
     for n0 in range(0, n, step):
         n1 = min(n, n0 + step)
-        out[:, n0:n1] = F.linear(x2, op.dequantize(w.data[n0:n1], QTYPES[w.qtype], k).to(x2.dtype))
+        out[:, n0:n1] = F.linear(x2, _dequantized_rows(w, n0, n1).to(x2.dtype))
     return out
 
 
@@ -198,19 +278,25 @@ def linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) ->
 
     The block kernel serves float32 at every row count (a row's numbers then never depend on its batch), and
     bfloat16 decode steps. A bfloat16 step of ``BF16_UNPACK_FROM_ROWS`` rows or more (a prefill chunk) unpacks the
-    blocks slice by slice to bfloat16 for oneDNN's GEMM: on the 2-core Xeon with AMX the block kernel is
-    compute-bound (a 3072 x 576 Q4_1 weight at 2,048 rows: 63 ms) where unpacking and AMX take 3.9 ms; at 16 rows
-    the blocks win (0.73 vs 1.25 ms), at 64 the unpacking (1.3 vs 2.8 ms). bfloat16 rows of such a step carry the
-    GEMM's rounding, not the kernel's int8 activations: in bfloat16 a row's last bits may depend on its batch."""
+    blocks slice by slice to bfloat16 for oneDNN's GEMM where that is faster (``_unpacks_for_gemm``): on the
+    2-core Xeon with AMX the row-layout kernel is compute-bound (a 3072 x 576 Q4_1 weight at 2,048 rows: 63 ms)
+    where unpacking and AMX take 3.9 ms; at 16 rows the blocks win (0.73 vs 1.25 ms), at 64 the unpacking (1.3 vs
+    2.8 ms). bfloat16 rows of such a step carry the GEMM's rounding, not the kernel's int8 activations: in
+    bfloat16 a row's last bits may then depend on its batch."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     op = quant_ops() if x.device.type == "cpu" else None
-    if op is not None and x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_UNPACK_FROM_ROWS:
-        y = _unpacked_bf16_linear(op, x2.contiguous(), w)
+    if op is not None and _unpacks_for_gemm(w, x2):
+        y = _unpacked_bf16_linear(x2.contiguous(), w)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, w.shape[0])
-    if op is not None:
+    if w.packed:
+        xk = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+        y = packed_ops().linear(xk, w.data, QTYPES[w.qtype], k, w.shape[0]).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+    elif op is not None:
         # Every row count takes the kernel, so a row's result never depends on what shares its batch (and the
         # integer products keep up with the float32 GEMM even at prefill sizes: bench.linear_kernels).
         y = op.linear(x2.float(), w.data, QTYPES[w.qtype], k).to(x.dtype)
@@ -225,7 +311,9 @@ def embedding(ids: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """Rows ``ids`` of ``dequantize(w)``, float32, without unpacking the others."""
     op = quant_ops() if w.data.device.type == "cpu" else None
     flat = ids.reshape(-1)
-    if op is not None:
+    if w.packed:
+        rows = packed_ops().rows(w.data, flat.to(torch.int64), QTYPES[w.qtype], w.shape[1], w.shape[0])
+    elif op is not None:
         rows = op.rows(w.data, flat.to(torch.int64), QTYPES[w.qtype], w.shape[1])
     else:
         rows = reference_dequantize(w.rows(flat))

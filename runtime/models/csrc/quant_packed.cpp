@@ -1,0 +1,371 @@
+// Block-quantized linear layers with 16 output channels interleaved, for AVX-512 VNNI (llama.cpp's repacking idea).
+//
+// quant_linear.cpp reads a weight row by row: per block of 32 weights it unpacks one channel, multiplies it with the
+// activations in 256-bit lanes and sums the lanes, so half its instructions are bookkeeping and a decode step is
+// bound by them, not by the bytes read. Here the blocks are repacked once, at load, so that one 512-bit register
+// holds 4 consecutive weights of each of 16 channels: one `vpdpbusd` with 4 activation bytes broadcast then feeds
+// 16 channels at once, the 16 scales load as one vector, and no horizontal sum is needed (lane c is channel c).
+//
+// Layout: channels in groups of 16 (the last group padded with zero blocks); a group is one row of exactly the
+// bytes of its 16 x K / 32 blocks: per block of 32 inputs, 256 B of quants (4-bit) or 512 B (8-bit), 16 fp16
+// scales d and Q4_1's 16 fp16 offsets m, arranged as `Row` says so that loads do not straddle cache lines (and
+// the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its
+// low nibble and q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128
+// (unsigned, as vpdpbusd wants its first operand).
+//
+// The arithmetic is quant_linear.cpp's (activations rounded to int8 per block, integer dot products, one scale
+// per block): the levels' offsets (Q4_0's 8, Q8_0's 128) are taken off the integer sum exactly (offset times the
+// sum of the block's rounded activations), so Q8_0 and Q4_0 results are exact integers times dw * dx, and Q4_1 adds
+// m * dx * sum(qx). A row's result is the same whatever the other rows of its batch (same operations, same order).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../csrc/simd.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define RS_PACKED 1
+#endif
+
+namespace radixserve_quant_packed {
+namespace {
+
+using radixserve_quant_linear::block_bytes;
+using radixserve_quant_linear::fp16_to_float;
+using radixserve_quant_linear::load_u16;
+
+constexpr int64_t QK = 32, G = 16;
+// How far ahead the kernel prefetches, in blocks of 32 inputs: of 0, 4, 8 and 16, 8 and 16 were fastest on the 1B
+// Llama's layers at one row (2-core AMD EPYC: 22 ms a pass against 25 ms without prefetching, 29 ms row by row).
+constexpr int64_t PREFETCH_BLOCKS = 8;
+// Tiles of many-row products (see linear): ~256 KB of weights by as many rows as make ~256 KB of int8
+// activations, so that both stay in L2 (1 MB on Zen 4) while reused. Of the sizes tried (64-512 KB of weights,
+// 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x 2048 at 64 and 1,024 rows;
+// a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations).
+constexpr int64_t TILE_WEIGHT_BYTES = 256 << 10, TILE_ACT_BYTES = 256 << 10;
+constexpr int MAX_MR = 8;
+constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3;
+
+int64_t header_bytes(int64_t type) { return type == Q4_1 ? 4 : 2; }
+int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes(type)); }  // per block of 32 inputs
+
+// Where block b's quants, scales and (Q4_1) offsets are in a group's row of nb blocks. Blocks go in runs of P
+// (the last run may be shorter): the run's quants, then its scales, then its offsets, P chosen so that a run is
+// whole cache lines (Q4_1: 320 B; Q8_0 and Q4_0 in pairs: 1,088 and 576 B) and every quant load is one line.
+struct Row {
+  const uint8_t* row;
+  int64_t nb, qb, bs, P;
+  Row(const uint8_t* r, int64_t type, int64_t n)
+      : row(r), nb(n), qb(quant_bytes(type)), bs(G * block_bytes(type)), P(type == Q4_1 ? 1 : 2) {}
+  const uint8_t* run(int64_t b) const { return row + (b / P) * P * bs; }
+  int64_t in_run(int64_t b) const { return std::min(P, nb - (b / P) * P); }
+  const uint8_t* quants(int64_t b) const { return run(b) + (b % P) * qb; }
+  const uint8_t* scales(int64_t b) const { return run(b) + in_run(b) * qb + (b % P) * 2 * G; }
+  const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b % P) * 2 * G; }
+};
+
+// Activations per block of 32: int8 values, the scale dx, and the sum of the rounded values (as an integer, and as
+// dx * sum for Q4_1's offset).
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> qsum;
+};
+
+// x (float32 or bfloat16) rounded per block of 32, as quant_linear.cpp's quantize_rows: dx = max|x| / 127,
+// q = nearest-even(x * (1 / dx)) (the conversion's default rounding is nearbyint's).
+template <typename T>
+void quantize(const T* x, int64_t M, int64_t K, Acts& a) {
+  const int64_t nb = K / QK;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.s.resize(M * nb);
+  a.qsum.resize(M * nb);
+  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* xb = x + i * QK;
+#ifdef RS_PACKED
+      using radixserve_simd::load16;
+      const __m512 v0 = load16(xb), v1 = load16(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.0f;
+      const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+      float amax = 0.0f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[j]) * id));
+        a.q[i * QK + j] = v;
+        sum += v;
+      }
+#endif
+      a.d[i] = d;
+      a.qsum[i] = sum;
+      a.s[i] = d * static_cast<float>(sum);
+    }
+  });
+}
+
+// The 32 weights of channel c in block b of a group's row, as float32 (dequantize, rows).
+void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) {
+  const float d = fp16_to_float(load_u16(row.scales(b) + 2 * c));
+  const uint8_t* q = row.quants(b);
+  if (type == Q8_0) {
+    for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(static_cast<int>(q[64 * (k / 4) + 4 * c + k % 4]) - 128);
+    return;
+  }
+  const float m = type == Q4_1 ? fp16_to_float(load_u16(row.offsets(b) + 2 * c)) : -8.0f * d;
+  for (int k = 0; k < QK / 2; ++k) {
+    const uint8_t b = q[64 * (k / 4) + 4 * c + k % 4];
+    out[k] = d * (b & 15) + m;
+    out[k + QK / 2] = d * (b >> 4) + m;
+  }
+}
+
+#ifdef RS_PACKED
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
+template <int64_t TYPE, int MR, typename T>
+void group_rows(const Acts& a, int64_t m0, int64_t K, const Row& row, int64_t N, int64_t g, T* y, bool first) {
+  const int64_t nb = K / QK;
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t block = G * block_bytes(TYPE);
+  // Two integer chains per row where there are few rows (the dot products' latency), one where rows give enough
+  // independent work. Integer sums are exact: the result is the same either way.
+  constexpr bool TWO = MR <= 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    // The bytes a few blocks ahead (the next group's first ones past the row's end: a thread's groups are
+    // consecutive in memory). Without this the loads wait on memory: the hardware prefetcher falls behind. Only
+    // the first rows of a tile read the weights from memory; later rows find them in cache.
+    if (first) {
+      const char* ahead = reinterpret_cast<const char*>(row.row) + (b + PREFETCH_BLOCKS) * block;
+      for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.scales(b))));
+    const uint8_t* q = row.quants(b);
+    __m512i s0[MR], s1[MR];
+    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    __m512i(&s1_)[MR] = TWO ? s1 : s0;
+    if constexpr (TYPE == Q8_0) {
+      for (int j = 0; j < 8; j += 2) {
+        const __m512i w0 = _mm512_loadu_si512(q + 64 * j), w1 = _mm512_loadu_si512(q + 64 * (j + 1));
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+          s0[r] = _mm512_dpbusd_epi32(s0[r], w0, bcast4(xq + 4 * j));
+          s1_[r] = _mm512_dpbusd_epi32(s1_[r], w1, bcast4(xq + 4 * (j + 1)));
+        }
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(q + 64 * j);
+        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xq + 4 * j));
+          s1_[r] = _mm512_dpbusd_epi32(s1_[r], hi, bcast4(xq + 16 + 4 * j));
+        }
+      }
+    }
+    __m512 mw;
+    if constexpr (TYPE == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.offsets(b))));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      __m512i s = TWO ? _mm512_add_epi32(s0[r], s1[r]) : s0[r];
+      if constexpr (TYPE == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
+      if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
+      if constexpr (TYPE == Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(G, N - g * G);
+  for (int r = 0; r < MR; ++r) {
+    if (valid == G) {
+      radixserve_simd::store16(y + (m0 + r) * N + g * G, acc[r]);
+    } else {
+      radixserve_simd::store_n(y + (m0 + r) * N + g * G, acc[r], static_cast<int>(valid));
+    }
+  }
+}
+
+// Rows [m0, m1) against group g, MAX_MR rows at a time (all accumulators in registers).
+template <int64_t TYPE, typename T>
+void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Row& row, int64_t N, int64_t g, T* y) {
+  const int64_t start = m0;
+  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows<TYPE, MAX_MR, T>(a, m0, K, row, N, g, y, m0 == start);
+  switch (m1 - m0) {
+    case 7: group_rows<TYPE, 7, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 6: group_rows<TYPE, 6, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 5: group_rows<TYPE, 5, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 4: group_rows<TYPE, 4, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 3: group_rows<TYPE, 3, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 2: group_rows<TYPE, 2, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 1: group_rows<TYPE, 1, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    default: break;
+  }
+}
+#endif
+
+void check(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight groups");
+  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * G * block_bytes(type), "quant_packed: K and row bytes disagree");
+  TORCH_CHECK(N > (w.size(0) - 1) * G && N <= w.size(0) * G, "quant_packed: N does not fit the channel groups");
+}
+
+}  // namespace
+
+bool supported() {
+#ifdef RS_PACKED
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Row-major blocks [N, K / 32 * bs] -> groups [ceil(N / 16), K / 32 * 16 * bs].
+torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight blocks");
+  const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
+  const int64_t groups = (N + G - 1) / G;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == nb * bs, "quant_packed: K and block bytes disagree");
+  auto out = torch::zeros({groups, nb * G * bs}, torch::dtype(torch::kUInt8));  // padding channels: zero scales
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const Row row(dst + g * out.size(1), type, nb);
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* q = const_cast<uint8_t*>(row.quants(b));
+        for (int c = 0; c < G && g * G + c < N; ++c) {
+          const uint8_t* blk = src + ((g * G + c) * nb + b) * bs;
+          std::memcpy(const_cast<uint8_t*>(row.scales(b)) + 2 * c, blk, 2);
+          if (type == Q4_1) std::memcpy(const_cast<uint8_t*>(row.offsets(b)) + 2 * c, blk + 2, 2);
+          const uint8_t* qs = blk + hb;
+          if (type == Q8_0) {
+            for (int k = 0; k < QK; ++k) q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(qs[k] ^ 0x80);
+          } else {
+            // ggml's qs[i] holds q[i] low and q[i + 16] high: the pairing of the packed bytes too.
+            for (int k = 0; k < QK / 2; ++k) q[64 * (k / 4) + 4 * c + k % 4] = qs[k];
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+#ifdef RS_PACKED
+template <typename T>
+void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t type, int64_t N, T* yp) {
+  const int64_t nb = K / QK;
+  Acts a;
+  quantize(xp, M, K, a);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t stride = w.size(1);
+  // Channel groups are independent: threads take contiguous ranges of them. Within a range, tiles of groups x
+  // rows: a tile's weights and its rows' activations stay in L2 while each is reused (a prefill chunk's x does not
+  // fit: without tiles every group streamed all of it from L3 again, and 1,024 rows ran at 0.7x the rate of 64).
+  const int64_t tile_groups = std::max<int64_t>(1, TILE_WEIGHT_BYTES / stride);
+  const int64_t tile_rows = std::max<int64_t>(1, TILE_ACT_BYTES / K / MAX_MR) * MAX_MR;
+  at::parallel_for(0, w.size(0), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t gt = g0; gt < g1; gt += tile_groups) {
+      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+        const int64_t m1 = std::min(M, m0 + tile_rows);
+        for (int64_t g = gt; g < std::min(g1, gt + tile_groups); ++g) {
+          const Row row(wp + g * stride, type, nb);
+          switch (type) {
+            case Q8_0: group_all<Q8_0>(a, m0, m1, K, row, N, g, yp); break;
+            case Q4_0: group_all<Q4_0>(a, m0, m1, K, row, N, g, yp); break;
+            default: group_all<Q4_1>(a, m0, m1, K, row, N, g, yp); break;
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// x [M, K] (float32 or bfloat16) @ dequant(w)^T, in x's dtype (bfloat16: the float32 sums rounded once).
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t K, int64_t N) {
+  check(w, type, K, N);
+  const bool bf = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (bf || x.scalar_type() == torch::kFloat32),
+              "quant_packed: x [M, K] float32 or bfloat16");
+#ifndef RS_PACKED
+  TORCH_CHECK(false, "quant_packed: this build has no AVX-512 VNNI");
+#else
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  if (bf) {
+    linear_impl(x.data_ptr<c10::BFloat16>(), x.size(0), K, w, type, N, y.data_ptr<c10::BFloat16>());
+  } else {
+    linear_impl(x.data_ptr<float>(), x.size(0), K, w, type, N, y.data_ptr<float>());
+  }
+  return y;
+#endif
+}
+
+// The float32 [N, K] matrix (N <= 16 * groups: a slice of groups gives its channels).
+torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, int64_t N) {
+  check(w, type, K, N);
+  const int64_t nb = K / QK, stride = w.size(1);
+  auto out = torch::empty({N, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const Row row(wp + (n / G) * stride, type, nb);
+      for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, n % G, op + n * K + b * QK);
+    }
+  });
+  return out;
+}
+
+torch::Tensor rows(torch::Tensor w, torch::Tensor ids, int64_t type, int64_t K, int64_t N) {
+  check(w, type, K, N);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "quant_packed: ids [T] int64");
+  ids = ids.contiguous();
+  const int64_t T = ids.size(0), nb = K / QK, stride = w.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_packed: row id out of range");
+  auto out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const Row row(wp + (ip[t] / G) * stride, type, nb);
+      for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, ip[t] % G, op + t * K + b * QK);
+    }
+  });
+  return out;
+}
+
+}  // namespace radixserve_quant_packed
+
+void register_quant_packed(pybind11::module_& parent) {
+  namespace qp = radixserve_quant_packed;
+  auto m = parent.def_submodule("quant_packed");
+  m.def("supported", &qp::supported, "whether this build has the AVX-512 VNNI kernel");
+  m.def("pack", &qp::pack, "blocks -> 16-channel groups", py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &qp::linear, "x @ dequant(w)^T for 16-channel groups", py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &qp::dequantize, "float32 matrix of 16-channel groups", py::call_guard<py::gil_scoped_release>());
+  m.def("rows", &qp::rows, "float32 rows ids of 16-channel groups", py::call_guard<py::gil_scoped_release>());
+}
