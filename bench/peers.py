@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,23 +112,42 @@ def report(results: dict[str, dict[str, Result]], workloads: list[Workload]) -> 
         ["engine", "workload", "wall s", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "decode tok/s", "cached", "errors"],
         rows,
     )
-    ours = results.get("radixserve")
-    if ours:
-        ratio_rows = []
-        for peer, by_wl in results.items():
-            if peer == "radixserve":
-                continue
-            for wl in workloads:
-                a, b = ours.get(wl.name), by_wl.get(wl.name)
-                if a is None or b is None or not b.tok_s:
-                    continue
-                decode = a.decode / b.decode if wl.clients == 1 else float("nan")
-                ratio_rows.append([peer, wl.name, a.tok_s / b.tok_s, a.ttft(0.5) / b.ttft(0.5), decode])
-        if ratio_rows:
-            text += "\n\nradixserve / peer:\n" + format_table(
-                ["peer", "workload", "throughput x", "TTFT p50 ours/theirs", "decode x"], ratio_rows
-            )
+    ratio_rows = ratios(results, workloads)
+    if ratio_rows:
+        text += "\n\nradixserve / peer:\n" + format_table(
+            ["peer", "workload", "throughput x", "TTFT p50 ours/theirs", "decode x"], ratio_rows
+        )
     return text
+
+
+def ratios(results: dict[str, dict[str, Result]], workloads: list[Workload]) -> list[list]:
+    """[peer, workload, throughput ours / theirs, TTFT p50 ours / theirs, one-user decode ours / theirs]."""
+    ours = results.get("radixserve")
+    rows: list[list] = []
+    for peer, by_wl in results.items():
+        if ours is None or peer == "radixserve":
+            continue
+        for wl in workloads:
+            a, b = ours.get(wl.name), by_wl.get(wl.name)
+            if a is None or b is None or not b.tok_s:
+                continue
+            decode = a.decode / b.decode if wl.clients == 1 else float("nan")
+            rows.append([peer, wl.name, a.tok_s / b.tok_s, a.ttft(0.5) / b.ttft(0.5), decode])
+    return rows
+
+
+def summary(rounds: list[dict[str, dict[str, Result]]], workloads: list[Workload]) -> str:
+    """The median of each ratio over the rounds, and every round's value (machines are noisy: a round runs every
+    engine once, so each ratio compares engines measured minutes apart, not a session apart)."""
+    per: dict[tuple[str, str], list[list[float]]] = {}
+    for results in rounds:
+        for peer, wl, *values in ratios(results, workloads):
+            per.setdefault((peer, wl), []).append(values)
+    rows = []
+    for (peer, wl), values in per.items():
+        cols = list(zip(*values, strict=True))
+        rows.append([peer, wl, *(f"{statistics.median(c):.2f} ({' '.join(f'{v:.2f}' for v in c)})" for c in cols)])
+    return format_table(["peer", "workload", "throughput x", "TTFT p50 ours/theirs", "decode x"], rows)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -139,6 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--radixserve-args", default="", help="extra flags for `radixserve serve`")
     p.add_argument("--vllm-args", default="")
     p.add_argument("--llama-args", default="")
+    p.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating; medians")
     return p.parse_args(argv)
 
 
@@ -147,6 +168,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     workloads = [WORKLOADS[w](tokenizer) for w in args.workloads.split(",")]
+    rounds = []
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}")
+        results = bench_round(args, folder, workloads, tokenizer)
+        rounds.append(results)
+        print()
+        print(report(results, workloads))
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} rounds (each round's value in brackets):")
+        print(summary(rounds, workloads))
+
+
+def bench_round(args: argparse.Namespace, folder: Path, workloads: list[Workload], tokenizer) -> dict:  # noqa: ANN001
     results: dict[str, dict[str, Result]] = {}
     for engine in args.engines.split(","):
         if engine == "radixserve":
@@ -165,8 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             results[engine] = bench_engine(engine, server, workloads, tokenizer)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:  # report what the others measured
             print(f"{engine} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print()
-    print(report(results, workloads))
+    return results
 
 
 if __name__ == "__main__":

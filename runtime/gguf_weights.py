@@ -2,8 +2,9 @@
 
 ``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
 a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
-blocks the engine computes with directly; Q4_K's sub-blocks become Q4_1 blocks (``k_quants``). Other block types
-(Q5_K, Q6_K, IQ types) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far
+blocks the engine computes with directly. Q4_K and Q6_K stay as they are where the packed kernel runs (AVX-512
+VNNI); elsewhere Q4_K's sub-blocks become Q4_1 blocks (``k_quants``). Other block types (Q5_K, IQ types, and Q6_K
+without the packed kernel) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far
 below theirs, and still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
 llama.cpp's). Every tensor is copied out of the memory-mapped file, so the mapping can be dropped once loading is
 done and only the engine's copy stays resident.
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 from radixserve.runtime.gguf_file import GGUFFile, ggml_type
 from radixserve.runtime.k_quants import q4_k_to_q4_1
-from radixserve.runtime.models.quant import QTYPES, QuantTensor, quantize_q8_0
+from radixserve.runtime.models.quant import ROW_KERNEL_TYPES, QuantTensor, packed_ops, quantize_q8_0
 
 logger = logging.getLogger("radixserve.model")
 
@@ -89,7 +90,7 @@ def iter_gguf_weights(
             raw = reader.data(t).reshape(shape[0] if len(shape) > 1 else 1, -1)
             if qtype in _FLOAT_TYPES:
                 value: torch.Tensor | QuantTensor = _float_tensor(raw, qtype).reshape(shape)
-            elif len(shape) == 2 and keep_quantized and qtype in QTYPES:
+            elif len(shape) == 2 and keep_quantized and _served_as_is(qtype, shape[1]):
                 value = QuantTensor(qtype, torch.from_numpy(raw.copy()), shape)  # type: ignore[arg-type]
             elif len(shape) == 2 and keep_quantized and qtype == "Q4_K":
                 value = QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), shape)  # type: ignore[arg-type]
@@ -113,6 +114,13 @@ def iter_gguf_weights(
     if requantized:
         logger.info("re-quantized %d GGUF tensors of other block types to Q8_0 (docs/quantization.md)", requantized)
     reader.close()  # drops the memory map: only the copies stay resident
+
+
+def _served_as_is(qtype: str, k: int) -> bool:
+    """Whether the kernels compute with this block type directly (the K-quants: only the packed kernel does)."""
+    if qtype in ("Q4_K", "Q6_K"):
+        return k % 256 == 0 and packed_ops() is not None
+    return qtype in ROW_KERNEL_TYPES
 
 
 def _order(n: int, n_head: int) -> torch.Tensor:

@@ -6,8 +6,11 @@ A ``Q4_1`` block of 32 is weight = ``d1 * q + m1`` with fp16 ``d1`` and ``m1``: 
 block with the same quants, ``d1 = d * sc`` and ``m1 = -dmin * m``, rounded once to fp16 (an error of at most
 2^-11 of a scale: ~1/300 of a 4-bit step at the largest quant). 4.5 bits a weight become 5.
 
-``Q5_K`` and ``Q6_K`` (the rest of the ``_M`` mixes) have no 32-block twin among the kernels' types (Q6_K's
-sub-blocks are 16 wide), so ``gguf_weights`` dequantizes them and re-quantizes to Q8_0, 8.5 bits a weight.
+``Q6_K`` (the head and half the ``ffn_down`` / ``attn_v`` of a ``Q4_K_M`` file) is served as it is where the packed
+kernel runs (``csrc/quant_packed.cpp``; ``q6_k_levels`` is its definition): 256 weights, fp16 ``d``, 16 int8 sub-block
+scales (16 weights each) and 6-bit quants; weight = ``d * scale * (q - 32)``. Elsewhere it, like ``Q5_K``, has no
+32-block twin among the row kernels' types, so ``gguf_weights`` dequantizes it and re-quantizes to Q8_0, 8.5 bits a
+weight.
 
 Layout of a Q4_K block (144 bytes, ggml's ``block_q4_K``): ``d`` fp16, ``dmin`` fp16, ``scales[12]``, ``qs[128]``.
 The 6-bit scales and minimums are packed as ggml's ``get_scale_min_k4`` reads them: for sub-block ``j < 4``,
@@ -19,9 +22,41 @@ runs of 32 bytes: run ``r`` holds sub-block ``2r`` in its low nibbles and ``2r +
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 Q4_K_BYTES = 144
 Q4_1_BYTES = 20
+Q6_K_BYTES = 210
+
+
+def q4_k_levels(data: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K rows (uint8 ``[n, k // 256 * 144]``) as their quants (int16 ``[n, k]``) and each sub-block of 32's
+    scale ``d * sc`` and offset ``dmin * m`` (float32 ``[n, k // 32]``, exact): weight = q * scale - offset."""
+    blocks = data.reshape(n, k // 256, Q4_K_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    sc, m = (torch.from_numpy(v.astype(np.float32)) for v in _scale_min(blocks[..., 4:16].numpy()))
+    qs = blocks[..., 16:].to(torch.int16).reshape(n, -1, 4, 32)
+    quants = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k)  # sub-block 2r: low nibbles, 2r + 1: high
+    return quants, (d * sc).reshape(n, -1), (dmin * m).reshape(n, -1)
+
+
+def q6_k_levels(data: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows (uint8 ``[n, k // 256 * 210]``, ggml's ``block_q6_K``: ``ql[128]``, ``qh[64]``, int8
+    ``scales[16]``, fp16 ``d``) as their levels ``q - 32`` (int16 ``[n, k]``) and each 16 weights' scale
+    ``d * scale`` (float32 ``[n, k // 16]``, exact): weight = level * scale, exactly as ggml dequantizes.
+
+    In each half of 128 weights, weight ``32 t + l`` (``t < 4``, ``l < 32``) has its low 4 bits in
+    ``ql[l + 32 (t & 1)]`` (the high nibble for ``t >= 2``) and its top 2 bits at bit ``2 t`` of ``qh[l]``."""
+    blocks = data.reshape(n, k // 256, Q6_K_BYTES)
+    ql = blocks[..., :128].to(torch.int16).reshape(n, -1, 2, 64)
+    qh = blocks[..., 128:192].to(torch.int16).reshape(n, -1, 2, 32)
+    low = torch.cat([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], dim=-1)
+    top = torch.cat([(qh >> (2 * t)) & 3 for t in range(4)], dim=-1)
+    levels = (low | (top << 4)) - 32
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
+    return levels.reshape(n, k), (d * scales).reshape(n, k // 16)
 
 
 def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

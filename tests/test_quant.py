@@ -47,7 +47,9 @@ def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
     if quant.packed_ops() is None:
         pytest.skip("no AVX-512 VNNI on this CPU: weights keep their rows")
     packed = blocks.pack()
-    assert packed.packed and packed.nbytes == -(-blocks.shape[0] // 16) * 16 * blocks.data.shape[1]
+    assert packed.packed
+    if blocks.qtype != "Q4_K":  # the same bytes, the last group padded
+        assert packed.nbytes == -(-blocks.shape[0] // 16) * 16 * blocks.data.shape[1]
     return packed
 
 
@@ -78,13 +80,14 @@ def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
     assert torch.equal(blocks.dequantize(), torch.from_numpy(dense))
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
 def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> None:
     """Speculative verification and deterministic inference rely on it: a row computed alone, in a batch of 2-13
     (every row-group size of the kernel) and at any place in it gives the same bits."""
     gen = torch.Generator().manual_seed(4)
-    blocks = _layout(quant._random_blocks(qtype, 40, 128, gen), "packed")
-    x = torch.randn(13, 128, generator=gen)
+    k = quant.weight_block(qtype) * 2
+    blocks = _layout(quant._random_blocks(qtype, 40, k, gen), "packed")
+    x = torch.randn(13, k, generator=gen)
     alone = torch.cat([quant.linear(x[i : i + 1], blocks) for i in range(13)])
     for m in range(2, 14):
         assert torch.equal(quant.linear(x[:m], blocks), alone[:m]), m
@@ -92,6 +95,55 @@ def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> 
     # bfloat16 rows: the same float32 sums, rounded once (no float32 copy of x is made for the kernel).
     xb = x.to(torch.bfloat16)
     assert torch.equal(quant.linear(xb, blocks), quant.linear(xb.float(), blocks).to(torch.bfloat16))
+
+
+def _random_q6_k(n: int, k: int, seed: int) -> tuple[QuantTensor, np.ndarray]:
+    """Q6_K rows of any quants and int8 scales, with positive fp16 d, and gguf-py's dequantization of them."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(1e-4, 0.01, size=(n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    expected = gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType.Q6_K)
+    return QuantTensor("Q6_K", torch.from_numpy(raw.reshape(n, -1)), (n, k)), expected
+
+
+def test_q6_k_decodes_as_gguf_py_decodes_it_and_its_packed_kernel_is_its_definition() -> None:
+    """Q6_K (a Q4_K_M file's head and half its ffn_down / attn_v) is served as it is: 67 channels (a padded last
+    group) by 512 inputs (2 super-blocks of 256)."""
+    blocks, expected = _random_q6_k(67, 512, seed=6)
+    dense = torch.from_numpy(expected).reshape(67, 512)
+    assert torch.equal(reference_dequantize(blocks), dense)  # exact: d * scale * level fits a float32
+    packed = _layout(blocks, "packed")
+    assert torch.equal(packed.dequantize(), dense)
+    ids = torch.tensor([0, 66, 3, 3])
+    assert torch.equal(quant.embedding(ids, packed), dense[ids])
+    assert torch.equal(quant.embedding(ids, blocks), dense[ids])  # an untied embedding keeps the rows
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(13, 512, generator=gen)
+    got = quant.linear(x, packed)
+    torch.testing.assert_close(got, quant.reference_linear(x, blocks), rtol=1e-5, atol=1e-4)
+    exact = x @ dense.T
+    assert float((got - exact).norm() / exact.norm()) < 0.01
+    alone = torch.cat([quant.linear(x[i : i + 1], packed) for i in range(13)])
+    assert torch.equal(got, alone)
+
+
+def test_q4_k_is_served_as_it_is_by_the_packed_kernel() -> None:
+    """Q4_K (most of a Q4_K_M file), packed with its 6-bit scales as bytes: gguf-py's dequantization exactly, and
+    the kernel is Q4_1's arithmetic with each sub-block's d * scale and dmin * min."""
+    rng = np.random.default_rng(8)
+    n, k = 67, 512
+    raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    for at in (0, 2):  # d and dmin: positive fp16, as llama-quantize writes them
+        raw[..., at : at + 2] = rng.uniform(1e-4, 0.02, size=(n, k // 256, 1)).astype(np.float16).view(np.uint8)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K))
+    blocks = QuantTensor("Q4_K", torch.from_numpy(raw.reshape(n, -1)), (n, k))
+    assert torch.equal(reference_dequantize(blocks), dense)
+    packed = _layout(blocks, "packed") if quant.packed_ops() is not None else pytest.skip("no AVX-512 VNNI")
+    assert packed.nbytes == 5 * 16 * 2 * 148  # 16 bytes a super-block more than ggml's 144: scales as bytes
+    assert torch.equal(packed.dequantize(), dense)
+    assert torch.equal(quant.embedding(torch.tensor([66, 0]), packed), dense[[66, 0]])
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(quant.linear(x, packed), quant.reference_linear(x, blocks), rtol=1e-5, atol=1e-4)
 
 
 def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni() -> None:

@@ -25,18 +25,33 @@ import torch.nn.functional as F
 
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
+from radixserve.runtime.k_quants import Q4_K_BYTES, Q6_K_BYTES, q4_k_levels, q6_k_levels
 
 logger = logging.getLogger("radixserve.kernels")
 
 BLOCK = 32
-# ggml's type ids (what the kernel takes) and bytes per block of 32 weights.
-QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+# ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q6_K's blocks are 256 weights
+# (``runtime/k_quants.py``), and only the packed kernel takes it.
+QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-
-
+SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights and bytes per block
+ROW_KERNEL_TYPES = frozenset(BLOCK_BYTES)  # the types ``csrc/quant_linear.cpp`` (the row layout) computes with
 
 # Output channels per group of a packed weight (``QuantTensor.pack``).
 GROUP = 16
+
+
+def weight_block(qtype: str) -> int:
+    """The input size must be a multiple of this."""
+    return SUPER_BLOCKS[qtype][0] if qtype in SUPER_BLOCKS else BLOCK
+
+
+def row_bytes(qtype: str, k: int) -> int:
+    """Bytes of one output channel of ``k`` inputs."""
+    if qtype in SUPER_BLOCKS:
+        weights, nbytes = SUPER_BLOCKS[qtype]
+        return k // weights * nbytes
+    return k // BLOCK * BLOCK_BYTES[qtype]
 
 
 @dataclass(frozen=True)
@@ -55,9 +70,11 @@ class QuantTensor:
         n, k = self.shape
         if self.qtype not in QTYPES:
             raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
-        row = k // BLOCK * BLOCK_BYTES[self.qtype]
-        want = (-(-n // GROUP), GROUP * row) if self.packed else (n, row)
-        if k % BLOCK or tuple(self.data.shape) != want:
+        row = row_bytes(self.qtype, k)
+        # A packed Q4_K keeps its 6-bit scales and minimums as bytes: 148 bytes per 256 weights, not 144.
+        packed_row = k // 256 * 148 if self.qtype == "Q4_K" else row
+        want = (-(-n // GROUP), GROUP * packed_row) if self.packed else (n, row)
+        if k % weight_block(self.qtype) or tuple(self.data.shape) != want:
             raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
 
     @property
@@ -82,7 +99,7 @@ class QuantTensor:
         if self.packed:
             return packed_ops().dequantize(self.data, QTYPES[self.qtype], self.shape[1], self.shape[0])
         op = quant_ops()
-        if op is not None and self.data.device.type == "cpu":
+        if op is not None and self.data.device.type == "cpu" and self.qtype in ROW_KERNEL_TYPES:
             return op.dequantize(self.data, QTYPES[self.qtype], self.shape[1])
         return reference_dequantize(self)
 
@@ -90,6 +107,12 @@ class QuantTensor:
 def reference_dequantize(w: QuantTensor) -> torch.Tensor:
     """The float32 ``[N, K]`` matrix the blocks encode, in plain PyTorch (the definition)."""
     n, k = w.shape
+    if w.qtype == "Q6_K":
+        levels, scales = q6_k_levels(w.data, n, k)
+        return (levels.float().reshape(n, -1, 16) * scales[..., None]).reshape(n, k)
+    if w.qtype == "Q4_K":
+        quants, scales, offsets = q4_k_levels(w.data, n, k)
+        return (quants.float().reshape(n, -1, 32) * scales[..., None] - offsets[..., None]).reshape(n, k)
     blocks = w.data.reshape(n, k // BLOCK, BLOCK_BYTES[w.qtype])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
     if w.qtype == "Q8_0":
@@ -111,7 +134,19 @@ def reference_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     n, nb = w.shape[0], k // BLOCK
     xb = x.float().reshape(m, nb, BLOCK)
     dx = xb.abs().amax(-1, keepdim=True) / 127.0
-    qx = torch.where(dx > 0, xb / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(xb)).round()
+    # x times the reciprocal of dx, in float32, as the kernels compute it (x / dx can round the other way)
+    qx = (xb * torch.where(dx > 0, 1.0 / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(dx))).round()
+    if w.qtype == "Q6_K":  # integer dot products per sub-block of 16, each scaled by its d * scale
+        levels, scales = q6_k_levels(w.data, n, k)
+        dots = torch.einsum("mhj,nhj->mnh", qx.reshape(m, -1, 16).double(), levels.reshape(n, -1, 16).double())
+        per_half = dots * scales[None].double() * dx.squeeze(-1).repeat_interleave(2, dim=1)[:, None].double()
+        return per_half.sum(-1).float()
+    if w.qtype == "Q4_K":  # Q4_1's arithmetic with the scale and offset of each sub-block of 32
+        quants, scales, offsets = q4_k_levels(w.data, n, k)
+        dots = torch.einsum("mbj,nbj->mnb", qx.double(), quants.reshape(n, nb, BLOCK).double())
+        y = (dots * scales[None].double() * dx.squeeze(-1)[:, None].double()).sum(-1)
+        sx = qx.sum(-1).double() * dx.squeeze(-1).double()
+        return (y - (sx[:, None, :] * offsets[None].double()).sum(-1)).float()
     blocks = w.data.reshape(n, nb, BLOCK_BYTES[w.qtype])
     dw = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [n, nb]
     if w.qtype == "Q8_0":
@@ -169,7 +204,7 @@ def quant_ops():  # noqa: ANN201 - the compiled module, or None
     module = kernels.quant_linear
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for qtype in QTYPES:
+        for qtype in ROW_KERNEL_TYPES:
             w = _random_blocks(qtype, 37, 96, gen)
             ref = reference_dequantize(w)
             got = module.dequantize(w.data, QTYPES[qtype], 96)
@@ -197,20 +232,21 @@ def packed_ops():  # noqa: ANN201 - the compiled module, or None
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for qtype in QTYPES:
-            w = _random_blocks(qtype, 37, 96, gen)
+            k = 96 if qtype in ROW_KERNEL_TYPES else 512  # 3 blocks of 32; 2 of Q6_K's 256
+            w = _random_blocks(qtype, 37, k, gen)
             code = QTYPES[qtype]
-            data = module.pack(w.data, code, 96)
+            data = module.pack(w.data, code, k)
             ref = reference_dequantize(w)
-            ok = torch.equal(module.dequantize(data, code, 96, 37), ref)
+            ok = torch.equal(module.dequantize(data, code, k, 37), ref)
             ids = torch.tensor([0, 36, 17])
-            ok &= torch.equal(module.rows(data, ids, code, 96, 37), ref[ids])
-            x = torch.randn(7, 96, generator=gen)
+            ok &= torch.equal(module.rows(data, ids, code, k, 37), ref[ids])
+            x = torch.randn(7, k, generator=gen)
             want = reference_linear(x, w)
             for m in range(1, 8):
-                ok &= torch.allclose(module.linear(x[:m], data, code, 96, 37), want[:m], rtol=1e-4, atol=1e-4)
+                ok &= torch.allclose(module.linear(x[:m], data, code, k, 37), want[:m], rtol=1e-4, atol=1e-4)
             xb = x.to(torch.bfloat16)  # bfloat16 in, the float32 sums rounded once to bfloat16 out
-            as_float = module.linear(xb.float(), data, code, 96, 37)
-            ok &= torch.equal(module.linear(xb, data, code, 96, 37), as_float.to(xb.dtype))
+            as_float = module.linear(xb.float(), data, code, k, 37)
+            ok &= torch.equal(module.linear(xb, data, code, k, 37), as_float.to(xb.dtype))
             if not ok:
                 logger.warning("packed quantized-linear kernel disagrees with PyTorch on %s; keeping rows", qtype)
                 return None
@@ -219,6 +255,13 @@ def packed_ops():  # noqa: ANN201 - the compiled module, or None
 
 def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
     """Random but valid blocks (finite fp16 scales) of ``qtype``."""
+    if qtype in SUPER_BLOCKS:  # any quants and sub-block scales; positive fp16 d (and Q4_K's dmin)
+        size = SUPER_BLOCKS[qtype][1]
+        data = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
+        for at in (0, 2) if qtype == "Q4_K" else (size - 2,):
+            scale = (torch.rand(n, k // 256, 1, generator=gen) * 0.01).to(torch.float16)
+            data[..., at : at + 2] = scale.view(torch.uint8)
+        return QuantTensor(qtype, data.reshape(n, -1), (n, k))
     nb, bs = k // BLOCK, BLOCK_BYTES[qtype]
     data = torch.randint(0, 256, (n, nb, bs), dtype=torch.uint8, generator=gen)
 
@@ -258,7 +301,7 @@ def _dequantized_rows(w: QuantTensor, n0: int, n1: int) -> torch.Tensor:
     n, k = w.shape
     if w.packed:
         return packed_ops().dequantize(w.data[n0 // GROUP : -(-n1 // GROUP)], QTYPES[w.qtype], k, n1 - n0)
-    return quant_ops().dequantize(w.data[n0:n1], QTYPES[w.qtype], k)
+    return w.rows(slice(n0, n1)).dequantize()
 
 
 def _unpacked_bf16_linear(x2: torch.Tensor, w: QuantTensor) -> torch.Tensor:
@@ -296,7 +339,7 @@ def linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) ->
         y = packed_ops().linear(xk, w.data, QTYPES[w.qtype], k, w.shape[0]).to(x.dtype)
         if bias is not None:
             y = y + bias
-    elif op is not None:
+    elif op is not None and w.qtype in ROW_KERNEL_TYPES:
         # Every row count takes the kernel, so a row's result never depends on what shares its batch (and the
         # integer products keep up with the float32 GEMM even at prefill sizes: bench.linear_kernels).
         y = op.linear(x2.float(), w.data, QTYPES[w.qtype], k).to(x.dtype)
@@ -313,7 +356,7 @@ def embedding(ids: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     flat = ids.reshape(-1)
     if w.packed:
         rows = packed_ops().rows(w.data, flat.to(torch.int64), QTYPES[w.qtype], w.shape[1], w.shape[0])
-    elif op is not None:
+    elif op is not None and w.qtype in ROW_KERNEL_TYPES:
         rows = op.rows(w.data, flat.to(torch.int64), QTYPES[w.qtype], w.shape[1])
     else:
         rows = reference_dequantize(w.rows(flat))

@@ -40,16 +40,26 @@ using radixserve_quant_linear::fp16_to_float;
 using radixserve_quant_linear::load_u16;
 
 constexpr int64_t QK = 32, G = 16;
-// How far ahead the kernel prefetches, in blocks of 32 inputs: of 0, 4, 8 and 16, 8 and 16 were fastest on the 1B
-// Llama's layers at one row (2-core AMD EPYC: 22 ms a pass against 25 ms without prefetching, 29 ms row by row).
-constexpr int64_t PREFETCH_BLOCKS = 8;
+// How far ahead of its loads the kernel prefetches: all 65 linear layers of the 1B Llama (Q4_K_M, one row, 2-core
+// AMD EPYC) took 26.2-26.4 ms a pass at 4-16 KB, 27.1 at 8 blocks (2.4 KB of Q4_K), 28.9 at 32 KB, 32.7 at none.
+constexpr int64_t PREFETCH_BYTES = 12 << 10;
 // Tiles of many-row products (see linear): ~256 KB of weights by as many rows as make ~256 KB of int8
 // activations, so that both stay in L2 (1 MB on Zen 4) while reused. Of the sizes tried (64-512 KB of weights,
 // 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x 2048 at 64 and 1,024 rows;
 // a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations).
 constexpr int64_t TILE_WEIGHT_BYTES = 256 << 10, TILE_ACT_BYTES = 256 << 10;
 constexpr int MAX_MR = 8;
-constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3;
+constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14;
+// ggml's block_q4_K and block_q6_K: 256 weights each; a packed Q4_K keeps its 6-bit scales as bytes (148 B).
+constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q6_K_BYTES = 210;
+
+// Bytes of one channel's weights per block of 32 inputs... as a group row holds them: 16 channels' worth.
+int64_t group_block_bytes(int64_t type) {
+  if (type == Q6_K) return G * Q6_K_BYTES / 8;
+  if (type == Q4_K) return G * Q4_K_PACKED / 8;
+  return G * block_bytes(type);
+}
+int64_t weight_block(int64_t type) { return type == Q6_K || type == Q4_K ? 256 : QK; }  // K is a multiple of it
 
 int64_t header_bytes(int64_t type) { return type == Q4_1 ? 4 : 2; }
 int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes(type)); }  // per block of 32 inputs
@@ -69,12 +79,42 @@ struct Row {
   const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b % P) * 2 * G; }
 };
 
+// Q6_K in a group row: per super-block of 256 inputs (8 blocks of 32), 3,360 B = 16 x 210: the blocks' low
+// nibbles as a 4-bit type's quants (8 x 256 B), then their top 2 bits (8 x 128 B: byte 4 c + p of the first 64
+// holds, in bits 2 j and 2 j + 1, those of weight 4 j + p, the next 64 those of weight 16 + 4 j + p), then the
+// blocks' int8 sub-block scales (8 x 32 B: the 16 channels' first 16 weights', then their last 16 weights'), then
+// the 16 channels' fp16 d. Weight = d * scale * (q - 32), q = nibble | top << 4, as in ggml.
+struct Q6Row {
+  const uint8_t* row;
+  explicit Q6Row(const uint8_t* r) : row(r) {}
+  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q6_K_BYTES; }
+  const uint8_t* nibbles(int64_t b) const { return base(b) + (b % 8) * 256; }
+  const uint8_t* tops(int64_t b) const { return base(b) + 2048 + (b % 8) * 128; }
+  const int8_t* scales(int64_t b) const { return reinterpret_cast<const int8_t*>(base(b) + 3072 + (b % 8) * 32); }
+  const uint8_t* d(int64_t b) const { return base(b) + 3328; }
+};
+
+// Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,368 B =
+// 16 x 148: the blocks' quants as Q4_1's (8 x 256 B), the blocks' 6-bit scales and minimums as bytes (8 x 16 B
+// each), then the 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block
+// whose scale and offset are computed (exactly, in float32) instead of loaded.
+struct Q4KRow {
+  const uint8_t* row;
+  explicit Q4KRow(const uint8_t* r) : row(r) {}
+  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q4_K_PACKED; }
+  const uint8_t* quants(int64_t b) const { return base(b) + (b % 8) * 256; }
+  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + (b % 8) * 16; }
+  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + (b % 8) * 16; }
+  const uint8_t* d(int64_t b) const { return base(b) + 2304; }
+  const uint8_t* dmin(int64_t b) const { return base(b) + 2336; }
+};
+
 // Activations per block of 32: int8 values, the scale dx, and the sum of the rounded values (as an integer, and as
-// dx * sum for Q4_1's offset).
+// dx * sum for Q4_1's offset), and of its first 16 (Q6_K's sub-blocks are 16 wide).
 struct Acts {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> qsum;
+  std::vector<int32_t> qsum, half;
 };
 
 // x (float32 or bfloat16) rounded per block of 32, as quant_linear.cpp's quantize_rows: dx = max|x| / 127,
@@ -86,6 +126,7 @@ void quantize(const T* x, int64_t M, int64_t K, Acts& a) {
   a.d.resize(M * nb);
   a.s.resize(M * nb);
   a.qsum.resize(M * nb);
+  a.half.resize(M * nb);
   at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const T* xb = x + i * QK;
@@ -98,24 +139,51 @@ void quantize(const T* x, int64_t M, int64_t K, Acts& a) {
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      const int32_t half = _mm512_reduce_add_epi32(q0);
+      const int32_t sum = half + _mm512_reduce_add_epi32(q1);
 #else
       float amax = 0.0f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));
       const float d = amax / 127.0f;
       const float id = d > 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
+      int32_t sum = 0, half = 0;
       for (int j = 0; j < QK; ++j) {
         const int8_t v = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[j]) * id));
         a.q[i * QK + j] = v;
         sum += v;
+        if (j == QK / 2 - 1) half = sum;
       }
 #endif
+      a.half[i] = half;
       a.d[i] = d;
       a.qsum[i] = sum;
       a.s[i] = d * static_cast<float>(sum);
     }
   });
+}
+
+// The 32 weights of channel c in block b of a Q6_K group row, as float32.
+void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
+  const float d = fp16_to_float(load_u16(row.d(b) + 2 * c));
+  const uint8_t *nib = row.nibbles(b), *top = row.tops(b);
+  for (int k = 0; k < QK; ++k) {
+    const int kk = k % 16, at = 64 * (kk / 4) + 4 * c + kk % 4;
+    const int lo = k < 16 ? nib[at] & 15 : nib[at] >> 4;
+    const int hi = (top[(k < 16 ? 0 : 64) + 4 * c + kk % 4] >> (2 * (kk / 4))) & 3;
+    out[k] = d * static_cast<float>(row.scales(b)[16 * (k / 16) + c]) * static_cast<float>((lo | hi << 4) - 32);
+  }
+}
+
+// The 32 weights of channel c in block b of a Q4_K group row, as float32.
+void unpack_channel_q4k(const Q4KRow& row, int64_t b, int c, float* out) {
+  const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scales(b)[c]);
+  const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.mins(b)[c]);
+  const uint8_t* q = row.quants(b);
+  for (int k = 0; k < QK / 2; ++k) {
+    const uint8_t v = q[64 * (k / 4) + 4 * c + k % 4];
+    out[k] = scale * (v & 15) - offset;
+    out[k + QK / 2] = scale * (v >> 4) - offset;
+  }
 }
 
 // The 32 weights of channel c in block b of a group's row, as float32 (dequantize, rows).
@@ -134,6 +202,22 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
   }
 }
 
+// Channel c of a group row, all K = 32 nb inputs, as float32.
+void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* out) {
+  if (type == Q6_K) {
+    const Q6Row row(group);
+    for (int64_t b = 0; b < nb; ++b) unpack_channel_q6(row, b, c, out + b * QK);
+    return;
+  }
+  if (type == Q4_K) {
+    const Q4KRow row(group);
+    for (int64_t b = 0; b < nb; ++b) unpack_channel_q4k(row, b, c, out + b * QK);
+    return;
+  }
+  const Row row(group, type, nb);
+  for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, c, out + b * QK);
+}
+
 #ifdef RS_PACKED
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -142,25 +226,39 @@ inline __m512i bcast4(const int8_t* p) {
 }
 
 // MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
-template <int64_t TYPE, int MR, typename T>
-void group_rows(const Acts& a, int64_t m0, int64_t K, const Row& row, int64_t N, int64_t g, T* y, bool first) {
+template <int64_t TYPE, int MR, typename T, typename R>
+void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
   const int64_t nb = K / QK;
   const __m512i low = _mm512_set1_epi8(15);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const int64_t block = G * block_bytes(TYPE);
+  const int64_t block = group_block_bytes(TYPE);
+  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();  // Q4_K: the super-block's
   // Two integer chains per row where there are few rows (the dot products' latency), one where rows give enough
   // independent work. Integer sums are exact: the result is the same either way.
   constexpr bool TWO = MR <= 2;
   for (int64_t b = 0; b < nb; ++b) {
-    // The bytes a few blocks ahead (the next group's first ones past the row's end: a thread's groups are
+    // The bytes PREFETCH_BYTES ahead (the next group's first ones past the row's end: a thread's groups are
     // consecutive in memory). Without this the loads wait on memory: the hardware prefetcher falls behind. Only
     // the first rows of a tile read the weights from memory; later rows find them in cache.
     if (first) {
-      const char* ahead = reinterpret_cast<const char*>(row.row) + (b + PREFETCH_BLOCKS) * block;
+      const char* ahead = reinterpret_cast<const char*>(row.row) + b * block + PREFETCH_BYTES;
       for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.scales(b))));
+    __m512 dw, mw;
+    if constexpr (TYPE == Q4_K) {
+      if (b % 8 == 0) {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
+        dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.dmin(b))));
+      }
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.scales(b)));
+      const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.mins(b)));
+      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+      mw = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+    } else {
+      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.scales(b))));
+      if constexpr (TYPE == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.offsets(b))));
+    }
     const uint8_t* q = row.quants(b);
     __m512i s0[MR], s1[MR];
     for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
@@ -185,15 +283,13 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const Row& row, int64_t N,
         }
       }
     }
-    __m512 mw;
-    if constexpr (TYPE == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.offsets(b))));
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (m0 + r) * nb + b;
       __m512i s = TWO ? _mm512_add_epi32(s0[r], s1[r]) : s0[r];
       if constexpr (TYPE == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if constexpr (TYPE == Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
+      if constexpr (TYPE == Q4_1 || TYPE == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
     }
   }
   const int64_t valid = std::min<int64_t>(G, N - g * G);
@@ -206,19 +302,95 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const Row& row, int64_t N,
   }
 }
 
-// Rows [m0, m1) against group g, MAX_MR rows at a time (all accumulators in registers).
-template <int64_t TYPE, typename T>
-void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Row& row, int64_t N, int64_t g, T* y) {
+// The Q6_K version of group_rows. Per block: the 8 registers of 6-bit levels are built from the nibbles and the
+// top bits (shared by the MR rows); each row keeps one integer sum per sub-block of 16, takes 32 x its rounded
+// activations' sum off each (the levels' offset, exactly), and scales them by d * scale (exact in float32).
+template <int MR, typename T>
+void group_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_t N, int64_t g, T* y, bool first) {
+  const int64_t nb = K / QK, block = G * Q6_K_BYTES / 8;
+  const __m512i low = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) {
+      const char* ahead = reinterpret_cast<const char*>(row.row) + b * block + PREFETCH_BYTES;
+      for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    if (b % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
+    const int8_t* sc = row.scales(b);
+    const __m512 sc0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+    const __m512 sc1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
+    const __m512i h0 = _mm512_loadu_si512(tp), h1 = _mm512_loadu_si512(tp + 64);
+    __m512i s0[MR], s1[MR];
+    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(nib + 64 * j);
+      // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (16-bit shifts: what crosses bytes is masked off).
+      __m512i t0, t1;
+      switch (j) {
+        case 0: t0 = _mm512_slli_epi16(h0, 4); t1 = _mm512_slli_epi16(h1, 4); break;
+        case 1: t0 = _mm512_slli_epi16(h0, 2); t1 = _mm512_slli_epi16(h1, 2); break;
+        case 2: t0 = h0; t1 = h1; break;
+        default: t0 = _mm512_srli_epi16(h0, 2); t1 = _mm512_srli_epi16(h1, 2); break;
+      }
+      // (nibble & 15) | (top & 0x30): 0xEA is (A & B) | C.
+      const __m512i lo = _mm512_ternarylogic_epi32(raw, low, _mm512_and_si512(t0, top2), 0xEA);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, _mm512_and_si512(t1, top2), 0xEA);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+        s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xq + 4 * j));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xq + 16 + 4 * j));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const __m512i c0 = _mm512_sub_epi32(s0[r], _mm512_set1_epi32(32 * a.half[i]));
+      const __m512i c1 = _mm512_sub_epi32(s1[r], _mm512_set1_epi32(32 * (a.qsum[i] - a.half[i])));
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), sc0));
+      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[i]), acc[r]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(G, N - g * G);
+  for (int r = 0; r < MR; ++r) {
+    if (valid == G) {
+      radixserve_simd::store16(y + (m0 + r) * N + g * G, acc[r]);
+    } else {
+      radixserve_simd::store_n(y + (m0 + r) * N + g * G, acc[r], static_cast<int>(valid));
+    }
+  }
+}
+
+template <typename T>
+void group_all_q6(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Q6Row& row, int64_t N, int64_t g, T* y) {
   const int64_t start = m0;
-  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows<TYPE, MAX_MR, T>(a, m0, K, row, N, g, y, m0 == start);
+  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows_q6<MAX_MR, T>(a, m0, K, row, N, g, y, m0 == start);
   switch (m1 - m0) {
-    case 7: group_rows<TYPE, 7, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 6: group_rows<TYPE, 6, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 5: group_rows<TYPE, 5, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 4: group_rows<TYPE, 4, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 3: group_rows<TYPE, 3, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 2: group_rows<TYPE, 2, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 1: group_rows<TYPE, 1, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 7: group_rows_q6<7, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 6: group_rows_q6<6, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 5: group_rows_q6<5, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 4: group_rows_q6<4, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 3: group_rows_q6<3, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 2: group_rows_q6<2, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 1: group_rows_q6<1, T>(a, m0, K, row, N, g, y, m0 == start); break;
+    default: break;
+  }
+}
+
+// Rows [m0, m1) against group g, MAX_MR rows at a time (all accumulators in registers).
+template <int64_t TYPE, typename T, typename R>
+void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
+  const int64_t start = m0;
+  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows<TYPE, MAX_MR, T, R>(a, m0, K, row, N, g, y, m0 == start);
+  switch (m1 - m0) {
+    case 7: group_rows<TYPE, 7, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 6: group_rows<TYPE, 6, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 5: group_rows<TYPE, 5, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 4: group_rows<TYPE, 4, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 3: group_rows<TYPE, 3, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 2: group_rows<TYPE, 2, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 1: group_rows<TYPE, 1, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
     default: break;
   }
 }
@@ -226,7 +398,8 @@ void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Row& row,
 
 void check(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight groups");
-  TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * G * block_bytes(type), "quant_packed: K and row bytes disagree");
+  TORCH_CHECK(K % weight_block(type) == 0 && w.size(1) == K / QK * group_block_bytes(type),
+              "quant_packed: K and row bytes disagree");
   TORCH_CHECK(N > (w.size(0) - 1) * G && N <= w.size(0) * G, "quant_packed: N does not fit the channel groups");
 }
 
@@ -240,8 +413,97 @@ bool supported() {
 #endif
 }
 
+// ggml Q6_K rows [N, K / 256 * 210] -> groups (see Q6Row).
+torch::Tensor pack_q6(const torch::Tensor& w, int64_t K) {
+  const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q6_K_BYTES, "quant_packed: K and Q6_K block bytes disagree");
+  auto out = torch::zeros({groups, ns * G * Q6_K_BYTES}, torch::dtype(torch::kUInt8));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    uint8_t q[256];
+    for (int64_t g = g0; g < g1; ++g) {
+      const Q6Row row(dst + g * out.size(1));
+      for (int c = 0; c < G && g * G + c < N; ++c) {
+        for (int64_t s = 0; s < ns; ++s) {
+          const uint8_t* blk = src + (g * G + c) * ns * Q6_K_BYTES + s * Q6_K_BYTES;
+          const uint8_t *ql = blk, *qh = blk + 128;
+          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+          // ggml's order: per half of 128 weights, weight 32 t + l (t < 4, l < 32) has its nibble in
+          // ql[l + 32 (t & 1)] (high nibble for t >= 2) and its top bits at 2 t of qh[l].
+          for (int h = 0; h < 2; ++h)
+            for (int t = 0; t < 4; ++t)
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t b = ql[64 * h + l + 32 * (t & 1)];
+                q[128 * h + 32 * t + l] = static_cast<uint8_t>(((t >= 2 ? b >> 4 : b & 15)) | (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+              }
+          for (int bi = 0; bi < 8; ++bi) {
+            const int64_t b = s * 8 + bi;
+            uint8_t* nib = const_cast<uint8_t*>(row.nibbles(b));
+            uint8_t* tp = const_cast<uint8_t*>(row.tops(b));
+            const uint8_t* qb = q + 32 * bi;
+            for (int k = 0; k < 16; ++k) {
+              const int at = 64 * (k / 4) + 4 * c + k % 4;
+              nib[at] = static_cast<uint8_t>((qb[k] & 15) | ((qb[k + 16] & 15) << 4));
+              tp[4 * c + k % 4] |= static_cast<uint8_t>((qb[k] >> 4) << (2 * (k / 4)));
+              tp[64 + 4 * c + k % 4] |= static_cast<uint8_t>((qb[k + 16] >> 4) << (2 * (k / 4)));
+            }
+            int8_t* scs = const_cast<int8_t*>(row.scales(b));
+            scs[c] = sc[2 * bi];
+            scs[16 + c] = sc[2 * bi + 1];
+          }
+          std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk + 208, 2);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// ggml Q4_K rows [N, K / 256 * 144] -> groups (see Q4KRow).
+torch::Tensor pack_q4k(const torch::Tensor& w, int64_t K) {
+  const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q4_K_BYTES, "quant_packed: K and Q4_K block bytes disagree");
+  auto out = torch::zeros({groups, ns * G * Q4_K_PACKED}, torch::dtype(torch::kUInt8));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const Q4KRow row(dst + g * out.size(1));
+      for (int c = 0; c < G && g * G + c < N; ++c) {
+        for (int64_t s = 0; s < ns; ++s) {
+          const uint8_t* blk = src + (g * G + c) * ns * Q4_K_BYTES + s * Q4_K_BYTES;
+          const uint8_t *sc = blk + 4, *qs = blk + 16;
+          std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk, 2);
+          std::memcpy(const_cast<uint8_t*>(row.dmin(s * 8)) + 2 * c, blk + 2, 2);
+          for (int j = 0; j < 8; ++j) {
+            const int64_t b = s * 8 + j;
+            // ggml's get_scale_min_k4: 6-bit scale and minimum of sub-block j.
+            const uint8_t scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+            const uint8_t mn = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+            const_cast<uint8_t*>(row.scales(b))[c] = scale;
+            const_cast<uint8_t*>(row.mins(b))[c] = mn;
+            // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...].
+            const uint8_t* run = qs + 32 * (j / 2);
+            uint8_t* q = const_cast<uint8_t*>(row.quants(b));
+            for (int k = 0; k < 16; ++k) {
+              const uint8_t lo = j % 2 ? run[k] >> 4 : run[k] & 15, hi = j % 2 ? run[k + 16] >> 4 : run[k + 16] & 15;
+              q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(lo | (hi << 4));
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // Row-major blocks [N, K / 32 * bs] -> groups [ceil(N / 16), K / 32 * 16 * bs].
 torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
+  if (type == Q6_K || type == Q4_K) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: K-quant blocks");
+    return type == Q6_K ? pack_q6(w, K) : pack_q4k(w, K);
+  }
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight blocks");
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
@@ -290,6 +552,14 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
       for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
         const int64_t m1 = std::min(M, m0 + tile_rows);
         for (int64_t g = gt; g < std::min(g1, gt + tile_groups); ++g) {
+          if (type == Q6_K) {
+            group_all_q6(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
+            continue;
+          }
+          if (type == Q4_K) {
+            group_all<Q4_K>(a, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
+            continue;
+          }
           const Row row(wp + g * stride, type, nb);
           switch (type) {
             case Q8_0: group_all<Q8_0>(a, m0, m1, K, row, N, g, yp); break;
@@ -331,10 +601,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, int64_t N) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const Row row(wp + (n / G) * stride, type, nb);
-      for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, n % G, op + n * K + b * QK);
-    }
+    for (int64_t n = n0; n < n1; ++n) unpack_row(wp + (n / G) * stride, type, nb, n % G, op + n * K);
   });
   return out;
 }
@@ -350,10 +617,7 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids, int64_t type, int64_t K, 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const Row row(wp + (ip[t] / G) * stride, type, nb);
-      for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, ip[t] % G, op + t * K + b * QK);
-    }
+    for (int64_t t = t0; t < t1; ++t) unpack_row(wp + (ip[t] / G) * stride, type, nb, ip[t] % G, op + t * K);
   });
   return out;
 }
