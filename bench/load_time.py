@@ -9,7 +9,11 @@ For a safetensors folder (``python -m bench.real_models 3b`` writes a ~3B Llama 
 Run alternately ``--runs`` times; with ``--cold`` the page cache is dropped before each read and each load (needs
 root), otherwise both read warm files (a first read warms them). Printed: the medians and load / read.
 
+A ``.gguf`` file is loaded as served by default (``--dtype auto``, ``--quantization auto``: its blocks kept,
+packed for the CPU kernel) and compared with reading that one file.
+
     python -m bench.load_time --model ~/.cache/radixserve/bench-models/random-llama-3b --kv-gib 4 --cold
+    python -m bench.load_time --model ~/.cache/radixserve/bench-models/random-llama-1b/model-Q4_K_M.gguf --cold
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from radixserve.runtime.engine import Engine
 from radixserve.runtime.sampling_params import SamplingParams
 if __name__ == "__main__":
     before = status("VmRSS")
-    engine = Engine(model=sys.argv[1], device="cpu", dtype="bfloat16", quantization="none",
-                    max_total_tokens=int(sys.argv[2]))
+    gguf = sys.argv[1].endswith(".gguf")
+    engine = Engine(model=sys.argv[1], device="cpu", dtype="auto" if gguf else "bfloat16",
+                    quantization="auto" if gguf else "none", max_total_tokens=int(sys.argv[2]))
     rss, peak = status("VmRSS"), status("VmHWM")
     start = time.perf_counter()
     out = engine.generate(["Summarize the history of the printing press in three sentences."],
@@ -78,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--cold", action="store_true", help="drop the page cache before each read and load (root)")
     args = p.parse_args(argv)
     folder = resolve_model(args.model)
-    files = safetensors_files(folder)
+    gguf = args.model.endswith(".gguf")
+    files = [Path(args.model).expanduser().resolve()] if gguf else safetensors_files(folder)
     size = sum(f.stat().st_size for f in files)
     margs = ModelArgs.from_hf_config(load_hf_config(folder))
     import torch
@@ -94,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         reads.append(read_files(files))
         if args.cold:
             drop_caches()
-        run = subprocess.run([sys.executable, "-c", _CHILD, str(folder), str(tokens)], capture_output=True, text=True)
+        model = str(files[0]) if gguf else str(folder)
+        run = subprocess.run([sys.executable, "-c", _CHILD, model, str(tokens)], capture_output=True, text=True)
         if run.returncode:
             raise SystemExit(f"the engine failed:\n{run.stderr[-3000:]}")
         results.append(json.loads(run.stdout.strip().splitlines()[-1]))
