@@ -51,6 +51,7 @@ SOURCES = (
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed.cpp",
+    RUNTIME / "models" / "csrc" / "quant_packed_kquants.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
 )
@@ -101,7 +102,7 @@ def load_kernels() -> ModuleType | None:
             (build_dir / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(
                 name=name,
-                sources=[str(SOURCES[0])],  # it includes the others (the header only for the key)
+                sources=[str(SOURCES[0])],  # it includes the others (the headers only for the key)
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

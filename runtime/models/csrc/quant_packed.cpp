@@ -9,9 +9,10 @@
 // Layout: channels in groups of 16 (the last group padded with zero blocks); a group is one row of exactly the
 // bytes of its 16 x K / 32 blocks: per block of 32 inputs, 256 B of quants (4-bit) or 512 B (8-bit), 16 fp16
 // scales d and Q4_1's 16 fp16 offsets m, arranged as `Row` says so that loads do not straddle cache lines (and
-// the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its
-// low nibble and q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128
-// (unsigned, as vpdpbusd wants its first operand).
+// the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit
+// quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its low nibble and
+// q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128 (unsigned, as
+// vpdpbusd wants its first operand). Q4_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
 //
 // The arithmetic is quant_linear.cpp's (activations rounded to int8 per block, integer dot products, one scale
 // per block): the levels' offsets (Q4_0's 8, Q8_0's 128) are taken off the integer sum exactly (offset times the
@@ -81,36 +82,6 @@ struct Row {
   const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b % P) * 2 * G; }
 };
 
-// Q6_K in a group row: per super-block of 256 inputs (8 blocks of 32), 3,360 B = 16 x 210: the blocks' low
-// nibbles as a 4-bit type's quants (8 x 256 B), then their top 2 bits (8 x 128 B: byte 4 c + p of the first 64
-// holds, in bits 2 j and 2 j + 1, those of weight 4 j + p, the next 64 those of weight 16 + 4 j + p), then the
-// blocks' int8 sub-block scales (8 x 32 B: the 16 channels' first 16 weights', then their last 16 weights'), then
-// the 16 channels' fp16 d. Weight = d * scale * (q - 32), q = nibble | top << 4, as in ggml.
-struct Q6Row {
-  const uint8_t* row;
-  explicit Q6Row(const uint8_t* r) : row(r) {}
-  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q6_K_BYTES; }
-  const uint8_t* nibbles(int64_t b) const { return base(b) + (b % 8) * 256; }
-  const uint8_t* tops(int64_t b) const { return base(b) + 2048 + (b % 8) * 128; }
-  const int8_t* scales(int64_t b) const { return reinterpret_cast<const int8_t*>(base(b) + 3072 + (b % 8) * 32); }
-  const uint8_t* d(int64_t b) const { return base(b) + 3328; }
-};
-
-// Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,368 B =
-// 16 x 148: the blocks' quants as Q4_1's (8 x 256 B), the blocks' 6-bit scales and minimums as bytes (8 x 16 B
-// each), then the 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block
-// whose scale and offset are computed (exactly, in float32) instead of loaded.
-struct Q4KRow {
-  const uint8_t* row;
-  explicit Q4KRow(const uint8_t* r) : row(r) {}
-  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q4_K_PACKED; }
-  const uint8_t* quants(int64_t b) const { return base(b) + (b % 8) * 256; }
-  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + (b % 8) * 16; }
-  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + (b % 8) * 16; }
-  const uint8_t* d(int64_t b) const { return base(b) + 2304; }
-  const uint8_t* dmin(int64_t b) const { return base(b) + 2336; }
-};
-
 // Activations per block of 32: int8 values, the scale dx, and the sum of the rounded values (as an integer, and as
 // dx * sum for Q4_1's offset), and of its first 16 (Q6_K's sub-blocks are 16 wide).
 struct Acts {
@@ -164,30 +135,6 @@ void quantize(const T* x, int64_t M, int64_t K, Acts& a) {
   });
 }
 
-// The 32 weights of channel c in block b of a Q6_K group row, as float32.
-void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
-  const float d = fp16_to_float(load_u16(row.d(b) + 2 * c));
-  const uint8_t *nib = row.nibbles(b), *top = row.tops(b);
-  for (int k = 0; k < QK; ++k) {
-    const int kk = k % 16, at = 64 * (kk / 4) + 4 * c + kk % 4;
-    const int lo = k < 16 ? nib[at] & 15 : nib[at] >> 4;
-    const int hi = (top[(k < 16 ? 0 : 64) + 4 * c + kk % 4] >> (2 * (kk / 4))) & 3;
-    out[k] = d * static_cast<float>(row.scales(b)[16 * (k / 16) + c]) * static_cast<float>((lo | hi << 4) - 32);
-  }
-}
-
-// The 32 weights of channel c in block b of a Q4_K group row, as float32.
-void unpack_channel_q4k(const Q4KRow& row, int64_t b, int c, float* out) {
-  const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scales(b)[c]);
-  const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.mins(b)[c]);
-  const uint8_t* q = row.quants(b);
-  for (int k = 0; k < QK / 2; ++k) {
-    const uint8_t v = q[64 * (k / 4) + 4 * c + k % 4];
-    out[k] = scale * (v & 15) - offset;
-    out[k + QK / 2] = scale * (v >> 4) - offset;
-  }
-}
-
 // The 32 weights of channel c in block b of a group's row, as float32 (dequantize, rows).
 void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) {
   const float d = fp16_to_float(load_u16(row.scales(b) + 2 * c));
@@ -203,6 +150,43 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
     out[k + QK / 2] = d * (b >> 4) + m;
   }
 }
+
+#ifdef RS_PACKED
+inline __m512 fp16x16_to_float(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Block b's bytes PREFETCH_BYTES ahead in a group row of `block`-byte blocks (the next group's first ones past the
+// row's end: a thread's groups are consecutive in memory). Without this the loads wait on memory: the hardware
+// prefetcher falls behind. Only the first rows of a tile read the weights from memory; later rows find them in
+// cache, so only they prefetch.
+inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
+  const char* ahead = reinterpret_cast<const char*>(row) + b * block + PREFETCH_BYTES;
+  for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+}
+
+// MR rows' 16 outputs of group g (the first N - 16 g of them in the last group).
+template <int MR, typename T>
+inline void store_rows(const __m512* acc, T* y, int64_t m0, int64_t N, int64_t g) {
+  const int64_t valid = std::min<int64_t>(G, N - g * G);
+  for (int r = 0; r < MR; ++r) {
+    if (valid == G) {
+      radixserve_simd::store16(y + (m0 + r) * N + g * G, acc[r]);
+    } else {
+      radixserve_simd::store_n(y + (m0 + r) * N + g * G, acc[r], static_cast<int>(valid));
+    }
+  }
+}
+
+#endif
+
+#include "quant_packed_kquants.h"
 
 // Channel c of a group row, all K = 32 nb inputs, as float32.
 void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* out) {
@@ -221,12 +205,6 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
 }
 
 #ifdef RS_PACKED
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
 template <int64_t TYPE, int MR, typename T, typename R>
 void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
@@ -240,13 +218,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
   // independent work. Integer sums are exact: the result is the same either way.
   constexpr bool TWO = MR <= 2;
   for (int64_t b = 0; b < nb; ++b) {
-    // The bytes PREFETCH_BYTES ahead (the next group's first ones past the row's end: a thread's groups are
-    // consecutive in memory). Without this the loads wait on memory: the hardware prefetcher falls behind. Only
-    // the first rows of a tile read the weights from memory; later rows find them in cache.
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(row.row) + b * block + PREFETCH_BYTES;
-      for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
+    if (first) prefetch(row.row, b, block);
     __m512 dw, mw;
     if constexpr (TYPE == Q4_K) {
       if (b % 8 == 0) {
@@ -258,8 +230,8 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
       mw = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
     } else {
-      dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.scales(b))));
-      if constexpr (TYPE == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.offsets(b))));
+      dw = fp16x16_to_float(row.scales(b));
+      if constexpr (TYPE == Q4_1) mw = fp16x16_to_float(row.offsets(b));
     }
     const uint8_t* q = row.quants(b);
     __m512i s0[MR], s1[MR];
@@ -294,89 +266,16 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       if constexpr (TYPE == Q4_1 || TYPE == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
     }
   }
-  const int64_t valid = std::min<int64_t>(G, N - g * G);
-  for (int r = 0; r < MR; ++r) {
-    if (valid == G) {
-      radixserve_simd::store16(y + (m0 + r) * N + g * G, acc[r]);
-    } else {
-      radixserve_simd::store_n(y + (m0 + r) * N + g * G, acc[r], static_cast<int>(valid));
-    }
-  }
+  store_rows<MR>(acc, y, m0, N, g);
 }
 
-// The Q6_K version of group_rows. Per block: the 8 registers of 6-bit levels are built from the nibbles and the
-// top bits (shared by the MR rows); each row keeps one integer sum per sub-block of 16, takes 32 x its rounded
-// activations' sum off each (the levels' offset, exactly), and scales them by d * scale (exact in float32).
-template <int MR, typename T>
-void group_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_t N, int64_t g, T* y, bool first) {
-  const int64_t nb = K / QK, block = G * Q6_K_BYTES / 8;
-  const __m512i low = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  __m512 d = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if (first) {
-      const char* ahead = reinterpret_cast<const char*>(row.row) + b * block + PREFETCH_BYTES;
-      for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-    }
-    if (b % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
-    const int8_t* sc = row.scales(b);
-    const __m512 sc0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
-    const __m512 sc1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
-    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
-    const __m512i h0 = _mm512_loadu_si512(tp), h1 = _mm512_loadu_si512(tp + 64);
-    __m512i s0[MR], s1[MR];
-    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i raw = _mm512_loadu_si512(nib + 64 * j);
-      // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (16-bit shifts: what crosses bytes is masked off).
-      __m512i t0, t1;
-      switch (j) {
-        case 0: t0 = _mm512_slli_epi16(h0, 4); t1 = _mm512_slli_epi16(h1, 4); break;
-        case 1: t0 = _mm512_slli_epi16(h0, 2); t1 = _mm512_slli_epi16(h1, 2); break;
-        case 2: t0 = h0; t1 = h1; break;
-        default: t0 = _mm512_srli_epi16(h0, 2); t1 = _mm512_srli_epi16(h1, 2); break;
-      }
-      // (nibble & 15) | (top & 0x30): 0xEA is (A & B) | C.
-      const __m512i lo = _mm512_ternarylogic_epi32(raw, low, _mm512_and_si512(t0, top2), 0xEA);
-      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, _mm512_and_si512(t1, top2), 0xEA);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-        s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xq + 4 * j));
-        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xq + 16 + 4 * j));
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const int64_t i = (m0 + r) * nb + b;
-      const __m512i c0 = _mm512_sub_epi32(s0[r], _mm512_set1_epi32(32 * a.half[i]));
-      const __m512i c1 = _mm512_sub_epi32(s1[r], _mm512_set1_epi32(32 * (a.qsum[i] - a.half[i])));
-      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), sc0));
-      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[i]), acc[r]);
-    }
-  }
-  const int64_t valid = std::min<int64_t>(G, N - g * G);
-  for (int r = 0; r < MR; ++r) {
-    if (valid == G) {
-      radixserve_simd::store16(y + (m0 + r) * N + g * G, acc[r]);
-    } else {
-      radixserve_simd::store_n(y + (m0 + r) * N + g * G, acc[r], static_cast<int>(valid));
-    }
-  }
-}
-
-template <typename T>
-void group_all_q6(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Q6Row& row, int64_t N, int64_t g, T* y) {
-  const int64_t start = m0;
-  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows_q6<MAX_MR, T>(a, m0, K, row, N, g, y, m0 == start);
-  switch (m1 - m0) {
-    case 7: group_rows_q6<7, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 6: group_rows_q6<6, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 5: group_rows_q6<5, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 4: group_rows_q6<4, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 3: group_rows_q6<3, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 2: group_rows_q6<2, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 1: group_rows_q6<1, T>(a, m0, K, row, N, g, y, m0 == start); break;
-    default: break;
+// MR rows against group g with the kernel of the weight's type.
+template <int64_t TYPE, int MR, typename T, typename R>
+inline void rows_of(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
+  if constexpr (TYPE == Q6_K) {
+    group_rows_q6<MR, T>(a, m0, K, row, N, g, y, first);
+  } else {
+    group_rows<TYPE, MR, T, R>(a, m0, K, row, N, g, y, first);
   }
 }
 
@@ -384,15 +283,15 @@ void group_all_q6(const Acts& a, int64_t m0, int64_t m1, int64_t K, const Q6Row&
 template <int64_t TYPE, typename T, typename R>
 void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
   const int64_t start = m0;
-  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) group_rows<TYPE, MAX_MR, T, R>(a, m0, K, row, N, g, y, m0 == start);
+  for (; m0 + MAX_MR <= m1; m0 += MAX_MR) rows_of<TYPE, MAX_MR, T, R>(a, m0, K, row, N, g, y, m0 == start);
   switch (m1 - m0) {
-    case 7: group_rows<TYPE, 7, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 6: group_rows<TYPE, 6, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 5: group_rows<TYPE, 5, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 4: group_rows<TYPE, 4, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 3: group_rows<TYPE, 3, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 2: group_rows<TYPE, 2, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
-    case 1: group_rows<TYPE, 1, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 7: rows_of<TYPE, 7, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 6: rows_of<TYPE, 6, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 5: rows_of<TYPE, 5, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 4: rows_of<TYPE, 4, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 3: rows_of<TYPE, 3, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 2: rows_of<TYPE, 2, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
+    case 1: rows_of<TYPE, 1, T, R>(a, m0, K, row, N, g, y, m0 == start); break;
     default: break;
   }
 }
@@ -432,87 +331,19 @@ torch::Tensor zeroed_groups(int64_t groups, int64_t row) {
   return out;
 }
 
-// ggml Q6_K rows [N, K / 256 * 210] -> groups (see Q6Row).
-torch::Tensor pack_q6(const torch::Tensor& w, int64_t K) {
+// ggml rows of 256-weight super-blocks [N, K / 256 * in_bytes] -> groups of out_bytes per super-block and
+// channel: fill(group row, channel c, super-block s, its ggml bytes) writes one channel's super-block.
+template <typename F>
+torch::Tensor pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out_bytes, F fill) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
-  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q6_K_BYTES, "quant_packed: K and Q6_K block bytes disagree");
-  auto out = zeroed_groups(groups, ns * G * Q6_K_BYTES);
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * in_bytes, "quant_packed: K and K-quant block bytes disagree");
+  auto out = zeroed_groups(groups, ns * G * out_bytes);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    uint8_t q[256];
-    for (int64_t g = g0; g < g1; ++g) {
-      const Q6Row row(dst + g * out.size(1));
-      for (int c = 0; c < G && g * G + c < N; ++c) {
-        for (int64_t s = 0; s < ns; ++s) {
-          const uint8_t* blk = src + (g * G + c) * ns * Q6_K_BYTES + s * Q6_K_BYTES;
-          const uint8_t *ql = blk, *qh = blk + 128;
-          const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-          // ggml's order: per half of 128 weights, weight 32 t + l (t < 4, l < 32) has its nibble in
-          // ql[l + 32 (t & 1)] (high nibble for t >= 2) and its top bits at 2 t of qh[l].
-          for (int h = 0; h < 2; ++h)
-            for (int t = 0; t < 4; ++t)
-              for (int l = 0; l < 32; ++l) {
-                const uint8_t b = ql[64 * h + l + 32 * (t & 1)];
-                q[128 * h + 32 * t + l] = static_cast<uint8_t>(((t >= 2 ? b >> 4 : b & 15)) | (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
-              }
-          for (int bi = 0; bi < 8; ++bi) {
-            const int64_t b = s * 8 + bi;
-            uint8_t* nib = const_cast<uint8_t*>(row.nibbles(b));
-            uint8_t* tp = const_cast<uint8_t*>(row.tops(b));
-            const uint8_t* qb = q + 32 * bi;
-            for (int k = 0; k < 16; ++k) {
-              const int at = 64 * (k / 4) + 4 * c + k % 4;
-              nib[at] = static_cast<uint8_t>((qb[k] & 15) | ((qb[k + 16] & 15) << 4));
-              tp[4 * c + k % 4] |= static_cast<uint8_t>((qb[k] >> 4) << (2 * (k / 4)));
-              tp[64 + 4 * c + k % 4] |= static_cast<uint8_t>((qb[k + 16] >> 4) << (2 * (k / 4)));
-            }
-            int8_t* scs = const_cast<int8_t*>(row.scales(b));
-            scs[c] = sc[2 * bi];
-            scs[16 + c] = sc[2 * bi + 1];
-          }
-          std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk + 208, 2);
-        }
-      }
-    }
-  });
-  return out;
-}
-
-// ggml Q4_K rows [N, K / 256 * 144] -> groups (see Q4KRow).
-torch::Tensor pack_q4k(const torch::Tensor& w, int64_t K) {
-  const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
-  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * Q4_K_BYTES, "quant_packed: K and Q4_K block bytes disagree");
-  auto out = zeroed_groups(groups, ns * G * Q4_K_PACKED);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const Q4KRow row(dst + g * out.size(1));
-      for (int c = 0; c < G && g * G + c < N; ++c) {
-        for (int64_t s = 0; s < ns; ++s) {
-          const uint8_t* blk = src + (g * G + c) * ns * Q4_K_BYTES + s * Q4_K_BYTES;
-          const uint8_t *sc = blk + 4, *qs = blk + 16;
-          std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk, 2);
-          std::memcpy(const_cast<uint8_t*>(row.dmin(s * 8)) + 2 * c, blk + 2, 2);
-          for (int j = 0; j < 8; ++j) {
-            const int64_t b = s * 8 + j;
-            // ggml's get_scale_min_k4: 6-bit scale and minimum of sub-block j.
-            const uint8_t scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-            const uint8_t mn = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-            const_cast<uint8_t*>(row.scales(b))[c] = scale;
-            const_cast<uint8_t*>(row.mins(b))[c] = mn;
-            // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...].
-            const uint8_t* run = qs + 32 * (j / 2);
-            uint8_t* q = const_cast<uint8_t*>(row.quants(b));
-            for (int k = 0; k < 16; ++k) {
-              const uint8_t lo = j % 2 ? run[k] >> 4 : run[k] & 15, hi = j % 2 ? run[k + 16] >> 4 : run[k + 16] & 15;
-              q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(lo | (hi << 4));
-            }
-          }
-        }
-      }
-    }
+    for (int64_t g = g0; g < g1; ++g)
+      for (int c = 0; c < G && g * G + c < N; ++c)
+        for (int64_t s = 0; s < ns; ++s) fill(dst + g * out.size(1), c, s, src + ((g * G + c) * ns + s) * in_bytes);
   });
   return out;
 }
@@ -521,7 +352,8 @@ torch::Tensor pack_q4k(const torch::Tensor& w, int64_t K) {
 torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
   if (type == Q6_K || type == Q4_K) {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: K-quant blocks");
-    return type == Q6_K ? pack_q6(w, K) : pack_q4k(w, K);
+    return type == Q6_K ? pack_super(w, K, Q6_K_BYTES, Q6_K_BYTES, fill_q6)
+                        : pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_q4k);
   }
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight blocks");
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
@@ -572,7 +404,7 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
         const int64_t m1 = std::min(M, m0 + tile_rows);
         for (int64_t g = gt; g < std::min(g1, gt + tile_groups); ++g) {
           if (type == Q6_K) {
-            group_all_q6(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
+            group_all<Q6_K>(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
             continue;
           }
           if (type == Q4_K) {

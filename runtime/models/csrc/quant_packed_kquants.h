@@ -1,0 +1,168 @@
+// The K-quants (Q4_K, Q6_K) in quant_packed.cpp's 16-channel groups: their layouts, how a channel unpacks, how
+// ggml's super-blocks are repacked, and Q6_K's kernel (Q4_K runs quant_packed.cpp's 4-bit kernel with computed
+// scales). Included by quant_packed.cpp inside its namespace, after the helpers it uses (Acts, bcast4, prefetch,
+// store_rows); not a stand-alone header.
+#pragma once
+
+// Q6_K in a group row: per super-block of 256 inputs (8 blocks of 32), 3,360 B = 16 x 210: the blocks' low
+// nibbles as a 4-bit type's quants (8 x 256 B), then their top 2 bits (8 x 128 B: byte 4 c + p of the first 64
+// holds, in bits 2 j and 2 j + 1, those of weight 4 j + p, the next 64 those of weight 16 + 4 j + p), then the
+// blocks' int8 sub-block scales (8 x 32 B: the 16 channels' first 16 weights', then their last 16 weights'), then
+// the 16 channels' fp16 d. Weight = d * scale * (q - 32), q = nibble | top << 4, as in ggml.
+struct Q6Row {
+  const uint8_t* row;
+  explicit Q6Row(const uint8_t* r) : row(r) {}
+  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q6_K_BYTES; }
+  const uint8_t* nibbles(int64_t b) const { return base(b) + (b % 8) * 256; }
+  const uint8_t* tops(int64_t b) const { return base(b) + 2048 + (b % 8) * 128; }
+  const int8_t* scales(int64_t b) const { return reinterpret_cast<const int8_t*>(base(b) + 3072 + (b % 8) * 32); }
+  const uint8_t* d(int64_t b) const { return base(b) + 3328; }
+};
+
+// Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,368 B =
+// 16 x 148: the blocks' quants as Q4_1's (8 x 256 B), the blocks' 6-bit scales and minimums as bytes (8 x 16 B
+// each), then the 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block
+// whose scale and offset are computed (exactly, in float32) instead of loaded.
+struct Q4KRow {
+  const uint8_t* row;
+  explicit Q4KRow(const uint8_t* r) : row(r) {}
+  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q4_K_PACKED; }
+  const uint8_t* quants(int64_t b) const { return base(b) + (b % 8) * 256; }
+  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + (b % 8) * 16; }
+  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + (b % 8) * 16; }
+  const uint8_t* d(int64_t b) const { return base(b) + 2304; }
+  const uint8_t* dmin(int64_t b) const { return base(b) + 2336; }
+};
+
+// The 32 weights of channel c in block b of a Q6_K group row, as float32.
+void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
+  const float d = fp16_to_float(load_u16(row.d(b) + 2 * c));
+  const uint8_t *nib = row.nibbles(b), *top = row.tops(b);
+  for (int k = 0; k < QK; ++k) {
+    const int kk = k % 16, at = 64 * (kk / 4) + 4 * c + kk % 4;
+    const int lo = k < 16 ? nib[at] & 15 : nib[at] >> 4;
+    const int hi = (top[(k < 16 ? 0 : 64) + 4 * c + kk % 4] >> (2 * (kk / 4))) & 3;
+    out[k] = d * static_cast<float>(row.scales(b)[16 * (k / 16) + c]) * static_cast<float>((lo | hi << 4) - 32);
+  }
+}
+
+// The 32 weights of channel c in block b of a Q4_K group row, as float32.
+void unpack_channel_q4k(const Q4KRow& row, int64_t b, int c, float* out) {
+  const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scales(b)[c]);
+  const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.mins(b)[c]);
+  const uint8_t* q = row.quants(b);
+  for (int k = 0; k < QK / 2; ++k) {
+    const uint8_t v = q[64 * (k / 4) + 4 * c + k % 4];
+    out[k] = scale * (v & 15) - offset;
+    out[k + QK / 2] = scale * (v >> 4) - offset;
+  }
+}
+
+// One channel's Q6_K super-block into a group row (see Q6Row).
+void fill_q6(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
+  const Q6Row row(group);
+  const uint8_t *ql = blk, *qh = blk + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  // ggml's order: per half of 128 weights, weight 32 t + l (t < 4, l < 32) has its nibble in ql[l + 32 (t & 1)]
+  // (the high one for t >= 2) and its top bits at 2 t of qh[l].
+  uint8_t q[256];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t b = ql[64 * h + l + 32 * (t & 1)];
+        const int top = (qh[32 * h + l] >> (2 * t)) & 3;
+        q[128 * h + 32 * t + l] = static_cast<uint8_t>((t >= 2 ? b >> 4 : b & 15) | (top << 4));
+      }
+  for (int bi = 0; bi < 8; ++bi) {
+    const int64_t b = s * 8 + bi;
+    uint8_t* nib = const_cast<uint8_t*>(row.nibbles(b));
+    uint8_t* tp = const_cast<uint8_t*>(row.tops(b));
+    const uint8_t* qb = q + 32 * bi;
+    for (int k = 0; k < 16; ++k) {
+      nib[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>((qb[k] & 15) | ((qb[k + 16] & 15) << 4));
+      tp[4 * c + k % 4] |= static_cast<uint8_t>((qb[k] >> 4) << (2 * (k / 4)));
+      tp[64 + 4 * c + k % 4] |= static_cast<uint8_t>((qb[k + 16] >> 4) << (2 * (k / 4)));
+    }
+    int8_t* scs = const_cast<int8_t*>(row.scales(b));
+    scs[c] = sc[2 * bi];
+    scs[16 + c] = sc[2 * bi + 1];
+  }
+  std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk + 208, 2);
+}
+
+// One channel's Q4_K super-block into a group row (see Q4KRow).
+void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
+  const Q4KRow row(group);
+  const uint8_t *sc = blk + 4, *qs = blk + 16;
+  std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk, 2);
+  std::memcpy(const_cast<uint8_t*>(row.dmin(s * 8)) + 2 * c, blk + 2, 2);
+  for (int j = 0; j < 8; ++j) {
+    const int64_t b = s * 8 + j;
+    // ggml's get_scale_min_k4: 6-bit scale and minimum of sub-block j.
+    const_cast<uint8_t*>(row.scales(b))[c] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+    const_cast<uint8_t*>(row.mins(b))[c] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...].
+    const uint8_t* run = qs + 32 * (j / 2);
+    uint8_t* q = const_cast<uint8_t*>(row.quants(b));
+    for (int k = 0; k < 16; ++k) {
+      const uint8_t lo = j % 2 ? run[k] >> 4 : run[k] & 15, hi = j % 2 ? run[k + 16] >> 4 : run[k + 16] & 15;
+      q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+#ifdef RS_PACKED
+inline __m512 int8x16_to_float(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The Q6_K version of group_rows. Per block: the 8 registers of 6-bit levels are built from the nibbles and the
+// top bits (shared by the MR rows); each row keeps one integer sum per sub-block of 16, takes 32 x its rounded
+// activations' sum off each (the levels' offset, exactly), and scales them by d * scale (exact in float32).
+template <int MR, typename T>
+void group_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_t N, int64_t g, T* y, bool first) {
+  const int64_t nb = K / QK, block = G * Q6_K_BYTES / 8;
+  const __m512i low = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 d = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) prefetch(row.row, b, block);
+    if (b % 8 == 0) d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
+    const int8_t* sc = row.scales(b);
+    const __m512 sc0 = _mm512_mul_ps(d, int8x16_to_float(sc)), sc1 = _mm512_mul_ps(d, int8x16_to_float(sc + 16));
+    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
+    const __m512i h0 = _mm512_loadu_si512(tp), h1 = _mm512_loadu_si512(tp + 64);
+    __m512i s0[MR], s1[MR];
+    for (int r = 0; r < MR; ++r) s0[r] = s1[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(nib + 64 * j);
+      // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (16-bit shifts: what crosses bytes is masked off).
+      __m512i t0, t1;
+      switch (j) {
+        case 0: t0 = _mm512_slli_epi16(h0, 4); t1 = _mm512_slli_epi16(h1, 4); break;
+        case 1: t0 = _mm512_slli_epi16(h0, 2); t1 = _mm512_slli_epi16(h1, 2); break;
+        case 2: t0 = h0; t1 = h1; break;
+        default: t0 = _mm512_srli_epi16(h0, 2); t1 = _mm512_srli_epi16(h1, 2); break;
+      }
+      // (nibble & 15) | (top & 0x30): 0xEA is (A & B) | C.
+      const __m512i lo = _mm512_ternarylogic_epi32(raw, low, _mm512_and_si512(t0, top2), 0xEA);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, _mm512_and_si512(t1, top2), 0xEA);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+        s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xq + 4 * j));
+        s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(xq + 16 + 4 * j));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      const __m512i c0 = _mm512_sub_epi32(s0[r], _mm512_set1_epi32(32 * a.half[i]));
+      const __m512i c1 = _mm512_sub_epi32(s1[r], _mm512_set1_epi32(32 * (a.qsum[i] - a.half[i])));
+      const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), sc1, _mm512_mul_ps(_mm512_cvtepi32_ps(c0), sc0));
+      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(a.d[i]), acc[r]);
+    }
+  }
+  store_rows<MR>(acc, y, m0, N, g);
+}
+
+#endif
