@@ -27,6 +27,8 @@ import torch
 Q4_K_BYTES = 144
 Q4_1_BYTES = 20
 Q6_K_BYTES = 210
+# A Q4_K super-block in the packed layout (csrc/quant_packed_kquants.h): its 6-bit scales and minimums as bytes.
+Q4_K_PACKED_BYTES = 148
 
 
 def q4_k_levels(data: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

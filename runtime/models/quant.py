@@ -25,13 +25,13 @@ import torch.nn.functional as F
 
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
-from radixserve.runtime.k_quants import Q4_K_BYTES, Q6_K_BYTES, q4_k_levels, q6_k_levels
+from radixserve.runtime.k_quants import Q4_K_BYTES, Q4_K_PACKED_BYTES, Q6_K_BYTES, q4_k_levels, q6_k_levels
 
 logger = logging.getLogger("radixserve.kernels")
 
 BLOCK = 32
-# ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q6_K's blocks are 256 weights
-# (``runtime/k_quants.py``), and only the packed kernel takes it.
+# ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q4_K's and Q6_K's blocks are 256
+# weights (``runtime/k_quants.py``), and only the packed kernel takes them.
 QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights and bytes per block
@@ -56,10 +56,10 @@ def row_bytes(qtype: str, k: int) -> int:
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, K // 32 * BLOCK_BYTES[qtype]]``, rows as ggml writes
-    them; or, ``packed``, ``[ceil(N / 16), 16 * K // 32 * BLOCK_BYTES[qtype]]``: groups of 16 channels interleaved
-    for the AVX-512 VNNI kernel (the same bytes, the last group padded), made by ``pack`` once the weight is final
-    (row slicing, merging and permuting need the row layout)."""
+    """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, row_bytes(qtype, K)]``, rows as ggml writes them; or,
+    ``packed``, ``[ceil(N / 16), 16 * row_bytes(qtype, K)]``: groups of 16 channels interleaved for the AVX-512
+    VNNI kernel (the same bytes, the last group padded; Q4_K's scales as bytes, 148 per 256 weights), made by
+    ``pack`` once the weight is final (row slicing, merging and permuting need the row layout)."""
 
     qtype: str
     data: torch.Tensor
@@ -72,7 +72,7 @@ class QuantTensor:
             raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
         row = row_bytes(self.qtype, k)
         # A packed Q4_K keeps its 6-bit scales and minimums as bytes: 148 bytes per 256 weights, not 144.
-        packed_row = k // 256 * 148 if self.qtype == "Q4_K" else row
+        packed_row = k // 256 * Q4_K_PACKED_BYTES if self.qtype == "Q4_K" else row
         want = (-(-n // GROUP), GROUP * packed_row) if self.packed else (n, row)
         if k % weight_block(self.qtype) or tuple(self.data.shape) != want:
             raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
@@ -232,7 +232,7 @@ def packed_ops():  # noqa: ANN201 - the compiled module, or None
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for qtype in QTYPES:
-            k = 96 if qtype in ROW_KERNEL_TYPES else 512  # 3 blocks of 32; 2 of Q6_K's 256
+            k = 96 if qtype in ROW_KERNEL_TYPES else 512  # 3 blocks of 32; 2 super-blocks of 256
             w = _random_blocks(qtype, 37, k, gen)
             code = QTYPES[qtype]
             data = module.pack(w.data, code, k)
