@@ -8,7 +8,9 @@
 // nibbles as a 4-bit type's quants (8 x 256 B), then their top 2 bits (8 x 128 B: byte 4 c + p of the first 64
 // holds, in bits 2 j and 2 j + 1, those of weight 4 j + p, the next 64 those of weight 16 + 4 j + p), then the
 // blocks' int8 sub-block scales (8 x 32 B: the 16 channels' first 16 weights', then their last 16 weights'), then
-// the 16 channels' fp16 d. Weight = d * scale * (q - 32), q = nibble | top << 4, as in ggml.
+// the 16 channels' fp16 d. Weight = d * scale * (q - 32), q = nibble | top << 4, as in ggml. A super-block is
+// 52.5 cache lines, so every other one starts mid-line and its 64-byte loads straddle two lines (Q4_K's 2,368 B
+// are 37 whole lines); pairing super-blocks would align them, not measured yet.
 struct Q6Row {
   const uint8_t* row;
   explicit Q6Row(const uint8_t* r) : row(r) {}
