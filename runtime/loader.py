@@ -20,7 +20,7 @@ from radixserve.runtime.models.families import renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.loading import MergedRows, StagingPool
-from radixserve.runtime.models.quant import QUANTIZERS
+from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
 from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
 from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
@@ -165,7 +165,8 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     seen: set[int] = set()
     for module in model.modules():
         q = getattr(module, "quant", None)
-        tensors = [("blocks " + q.qtype, q.data)] if q is not None else []
+        parts = (q.parts if isinstance(q, QuantParts) else (q,)) if q is not None else ()
+        tensors = [("blocks " + p.qtype, p.data) for p in parts]
         tensors += [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
         for kind, t in tensors:
             # A meta weight was released for its packed copy, which has its bytes (and is this module's own).

@@ -146,6 +146,33 @@ def test_q4_k_is_served_as_it_is_by_the_packed_kernel() -> None:
     torch.testing.assert_close(quant.linear(x, packed), quant.reference_linear(x, blocks), rtol=1e-5, atol=1e-4)
 
 
+@torch.inference_mode()
+def test_a_merged_projection_of_mixed_block_types_keeps_each_part_in_its_own() -> None:
+    """A Q4_K_M file's q/k (Q4_K) and v (Q6_K) merge into one qkv projection: with the packed kernel each run of one
+    type stays as it is (QuantParts), computed by its own kernel; its output is the parts' outputs side by side."""
+    from radixserve.runtime.models.linear import Linear
+    from radixserve.runtime.models.loading import _assemble
+
+    if quant.packed_ops() is None:
+        pytest.skip("no AVX-512 VNNI: mixed parts are re-quantized to Q8_0")
+    gen = torch.Generator().manual_seed(10)
+    q, k = (quant._random_blocks("Q4_K", n, 256, gen) for n in (64, 32))
+    v = quant._random_blocks("Q6_K", 32, 256, gen)
+    merged = _assemble([q, k, v])
+    assert isinstance(merged, quant.QuantParts) and [p.qtype for p in merged.parts] == ["Q4_K", "Q6_K"]
+    assert merged.shape == (128, 256) and merged.parts[0].shape == (96, 256)  # q and k joined: one run
+    layer = Linear(256, 128, bias=True)
+    layer.bias = torch.nn.Parameter(torch.randn(128, generator=gen), requires_grad=False)
+    layer.set_quantized(merged)
+    assert layer.qpacked and isinstance(layer.quant, quant.QuantParts)
+    dense = torch.cat([reference_dequantize(t) for t in (q, k, v)])
+    x = torch.randn(5, 256, generator=gen)
+    want = torch.cat([quant.reference_linear(x, t) for t in (q, k, v)], dim=-1) + layer.bias
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    assert float((layer(x) - (x @ dense.T + layer.bias)).norm() / want.norm()) < 0.01
+    assert torch.equal(layer.quant.dequantize(), dense)
+
+
 def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni() -> None:
     assert (quant.packed_ops() is not None) == _has_vnni()
     w = quantize_q4_1(torch.randn(32, 64))

@@ -44,7 +44,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.cpu_features import native_bf16
 from radixserve.runtime.models import quant
 from radixserve.runtime.models.loading import StagingPool
-from radixserve.runtime.models.quant import QuantTensor
+from radixserve.runtime.models.quant import QuantParts, QuantTensor
 
 logger = logging.getLogger("radixserve.model")
 
@@ -133,18 +133,28 @@ class _Quantizable:
     # given (its lookups read either layout), so that a tied head and embedding share one packed copy.
     _pack_blocks: bool = False
 
-    def set_quantized(self, w: QuantTensor) -> None:
-        """Keep the weight as ``w``'s blocks; the float parameter goes (it is never materialized)."""
+    _qparts: tuple[tuple[str, tuple[int, int], bool], ...] = ()  # a QuantParts weight: each part's type, shape
+
+    def set_quantized(self, w: QuantTensor | QuantParts) -> None:
+        """Keep the weight as ``w``'s blocks; the float parameter goes (it is never materialized). A ``QuantParts``
+        weight keeps each part's data as a buffer of its own (``qdata``, ``qdata1``, ...)."""
         if self._pack_blocks:
             w = w.pack()
         self.register_parameter("weight", None)  # type: ignore[attr-defined]
-        self.register_buffer("qdata", w.data, persistent=False)  # type: ignore[attr-defined]
-        self.qtype, self.qshape, self.qpacked = w.qtype, w.shape, w.packed
+        parts = w.parts if isinstance(w, QuantParts) else (w,)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"qdata{i or ''}", part.data, persistent=False)  # type: ignore[attr-defined]
+        self._qparts = tuple((p.qtype, p.shape, p.packed) for p in parts) if len(parts) > 1 else ()
+        self.qtype, self.qshape = w.qtype, w.shape
+        self.qpacked = all(p.packed for p in parts)
 
     @property
-    def quant(self) -> QuantTensor | None:
+    def quant(self) -> QuantTensor | QuantParts | None:
         if self.qtype is None:
             return None
+        if self._qparts:
+            data = [getattr(self, f"qdata{i or ''}") for i in range(len(self._qparts))]
+            return QuantParts(tuple(QuantTensor(t, d, s, p) for d, (t, s, p) in zip(data, self._qparts, strict=True)))
         return QuantTensor(self.qtype, self.qdata, self.qshape, self.qpacked)  # type: ignore[attr-defined,arg-type]
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.runtime.models.quant import QuantTensor, quantize_q8_0
+from radixserve.runtime.models.quant import QuantParts, QuantTensor, packed_ops, quantize_q8_0
 
-Loaded = torch.Tensor | QuantTensor
+Loaded = torch.Tensor | QuantTensor | QuantParts
 
 
 def load_weights(
@@ -196,15 +196,32 @@ def _adjacent(parts: list[Loaded]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())  # type: ignore[union-attr]
 
 
+def _runs_of_one_type(parts: list[QuantTensor]) -> list[QuantTensor]:
+    """Consecutive parts of one block type joined (their rows concatenated)."""
+    runs: list[list[QuantTensor]] = []
+    for p in parts:
+        if runs and runs[-1][0].qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out = []
+    for run in runs:
+        data = run[0].data if len(run) == 1 else torch.cat([p.data for p in run], dim=0)
+        out.append(QuantTensor(run[0].qtype, data, (data.shape[0], run[0].shape[1])))
+    return out
+
+
 def _assemble(parts: list[Loaded]) -> Loaded:
     """The merged weight from its parts, in output order."""
     whole = _adjacent(parts)
     if whole is not None:
         return whole
     if all(isinstance(p, QuantTensor) for p in parts):
-        if len({p.qtype for p in parts}) == 1:  # type: ignore[union-attr]
-            data = torch.cat([p.data for p in parts], dim=0)  # type: ignore[union-attr]
-            return QuantTensor(parts[0].qtype, data, (data.shape[0], parts[0].shape[1]))  # type: ignore[union-attr]
+        runs = _runs_of_one_type(parts)  # type: ignore[arg-type]
+        if len(runs) == 1:
+            return runs[0]
+        if packed_ops() is not None:  # each run keeps its type and kernel (QuantParts)
+            return QuantParts(tuple(runs))
         return quantize_q8_0(torch.cat([p.dequantize() for p in parts], dim=0))  # type: ignore[union-attr]
     return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts], dim=0)
 
@@ -213,9 +230,12 @@ def _put(module: nn.Module, leaf: str, tensor: Loaded, param: torch.Tensor, name
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
     target = torch.device(device) if device is not None else (param.device if param.device.type != "meta" else None)
-    if isinstance(tensor, QuantTensor):
+    if isinstance(tensor, QuantTensor | QuantParts):
         if leaf != "weight" or not hasattr(module, "set_quantized"):
             raise ValueError(f"{name}: a block-quantized tensor can only be a linear or embedding weight")
+        if isinstance(tensor, QuantParts):  # packed CPU kernels only: the parts stay where they are
+            module.set_quantized(tensor)
+            return
         data = tensor.data.to(target) if target is not None else tensor.data
         module.set_quantized(QuantTensor(tensor.qtype, data, tensor.shape))
         return

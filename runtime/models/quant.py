@@ -104,6 +104,34 @@ class QuantTensor:
         return reference_dequantize(self)
 
 
+@dataclass(frozen=True)
+class QuantParts:
+    """A merged weight (q/k/v, gate/up) whose parts come in different block types, as a Q4_K_M file has them (q
+    and k in Q4_K, v in Q6_K in half the layers): consecutive runs of one type, each its own ``QuantTensor``,
+    computed by its own kernel call, their outputs side by side. Only where the packed kernel serves every type;
+    elsewhere such parts are re-quantized to Q8_0 as a whole."""
+
+    parts: tuple[QuantTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def pack(self) -> QuantParts:
+        return QuantParts(tuple(p.pack() for p in self.parts))
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=0)
+
+
 def reference_dequantize(w: QuantTensor) -> torch.Tensor:
     """The float32 ``[N, K]`` matrix the blocks encode, in plain PyTorch (the definition)."""
     n, k = w.shape
@@ -316,7 +344,7 @@ def _unpacked_bf16_linear(x2: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantTensor | QuantParts, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(w)^T (+ bias)`` for ``x`` [..., K] (float32 or bfloat16).
 
     The block kernel serves float32 at every row count (a row's numbers then never depend on its batch), and
@@ -326,6 +354,9 @@ def linear(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None) ->
     where unpacking and AMX take 3.9 ms; at 16 rows the blocks win (0.73 vs 1.25 ms), at 64 the unpacking (1.3 vs
     2.8 ms). bfloat16 rows of such a step carry the GEMM's rounding, not the kernel's int8 activations: in
     bfloat16 a row's last bits may then depend on its batch."""
+    if isinstance(w, QuantParts):
+        y = torch.cat([linear(x, part) for part in w.parts], dim=-1)
+        return y + bias if bias is not None else y
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     op = quant_ops() if x.device.type == "cpu" else None
