@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../../csrc/simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define RS_AVX2 1
@@ -90,33 +92,58 @@ inline void unpack_block(const uint8_t* b, int64_t type, float* out) {
   }
 }
 
-// Activations quantized per block of 32: int8 values, their scale, and the sum of the rounded block (dx * sum qx).
+// Activations quantized per block of 32 (shared with quant_packed.cpp): int8 values, their scale dx, the sum of
+// the rounded block as an integer and as dx * sum (Q4_1's offset meets it), and the sum of its first 16 (Q6_K's
+// sub-blocks are 16 wide).
 struct QuantRows {
-  std::vector<int8_t> q;    // [M, K]
-  std::vector<float> d;     // [M, nb]
-  std::vector<float> sum;   // [M, nb]
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> d, sum;   // [M, nb]
+  std::vector<int32_t> qsum, half;  // [M, nb]
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, QuantRows& out) {
+// x (float32 or bfloat16) rounded per block of 32: dx = max|x| / 127, q = nearest-even(x * (1 / dx)) (the
+// vector conversion's default rounding is nearbyint's, so both paths give the same bytes).
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& out) {
   const int64_t nb = K / QK;
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.sum.resize(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * QK;
-    float amax = 0.0f;
-    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float d = amax / 127.0f;
-    const float id = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t qsum = 0;
-    for (int j = 0; j < QK; ++j) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(xb[j] * id));
-      out.q[i * QK + j] = q;
-      qsum += q;
+  out.qsum.resize(M * nb);
+  out.half.resize(M * nb);
+  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* xb = x + i * QK;
+#ifdef __AVX512F__
+      using radixserve_simd::load16;
+      const __m512 v0 = load16(xb), v1 = load16(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.0f;
+      const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * QK), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
+      const int32_t half = _mm512_reduce_add_epi32(q0);
+      const int32_t qsum = half + _mm512_reduce_add_epi32(q1);
+#else
+      float amax = 0.0f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int32_t qsum = 0, half = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int8_t v = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[j]) * id));
+        out.q[i * QK + j] = v;
+        qsum += v;
+        if (j == QK / 2 - 1) half = qsum;
+      }
+#endif
+      out.d[i] = d;
+      out.qsum[i] = qsum;
+      out.half[i] = half;
+      out.sum[i] = d * static_cast<float>(qsum);
     }
-    out.d[i] = d;
-    out.sum[i] = d * static_cast<float>(qsum);
-  }
+  });
 }
 
 #ifdef RS_AVX2

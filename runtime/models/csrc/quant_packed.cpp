@@ -82,58 +82,9 @@ struct Row {
   const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b % P) * 2 * G; }
 };
 
-// Activations per block of 32: int8 values, the scale dx, and the sum of the rounded values (as an integer, and as
-// dx * sum for Q4_1's offset), and of its first 16 (Q6_K's sub-blocks are 16 wide).
-struct Acts {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  std::vector<int32_t> qsum, half;
-};
-
-// x (float32 or bfloat16) rounded per block of 32, as quant_linear.cpp's quantize_rows: dx = max|x| / 127,
-// q = nearest-even(x * (1 / dx)) (the conversion's default rounding is nearbyint's).
-template <typename T>
-void quantize(const T* x, int64_t M, int64_t K, Acts& a) {
-  const int64_t nb = K / QK;
-  a.q.resize(M * K);
-  a.d.resize(M * nb);
-  a.s.resize(M * nb);
-  a.qsum.resize(M * nb);
-  a.half.resize(M * nb);
-  at::parallel_for(0, M * nb, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* xb = x + i * QK;
-#ifdef RS_PACKED
-      using radixserve_simd::load16;
-      const __m512 v0 = load16(xb), v1 = load16(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float d = amax / 127.0f;
-      const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
-      const int32_t half = _mm512_reduce_add_epi32(q0);
-      const int32_t sum = half + _mm512_reduce_add_epi32(q1);
-#else
-      float amax = 0.0f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));
-      const float d = amax / 127.0f;
-      const float id = d > 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0, half = 0;
-      for (int j = 0; j < QK; ++j) {
-        const int8_t v = static_cast<int8_t>(std::nearbyint(static_cast<float>(xb[j]) * id));
-        a.q[i * QK + j] = v;
-        sum += v;
-        if (j == QK / 2 - 1) half = sum;
-      }
-#endif
-      a.half[i] = half;
-      a.d[i] = d;
-      a.qsum[i] = sum;
-      a.s[i] = d * static_cast<float>(sum);
-    }
-  });
-}
+// The activations, rounded per block of 32 as the row kernel rounds them (quant_linear.cpp).
+using Acts = radixserve_quant_linear::QuantRows;
+using radixserve_quant_linear::quantize_rows;
 
 // The 32 weights of channel c in block b of a group's row, as float32 (dequantize, rows).
 void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) {
@@ -263,7 +214,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       if constexpr (TYPE == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if constexpr (TYPE == Q4_1 || TYPE == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), acc[r]);
+      if constexpr (TYPE == Q4_1 || TYPE == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum[i]), acc[r]);
     }
   }
   store_rows<MR>(acc, y, m0, N, g);
@@ -390,7 +341,7 @@ template <typename T>
 void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t type, int64_t N, T* yp) {
   const int64_t nb = K / QK;
   Acts a;
-  quantize(xp, M, K, a);
+  quantize_rows(xp, M, K, a);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t stride = w.size(1);
   // Channel groups are independent: threads take contiguous ranges of them. Within a range, tiles of groups x
