@@ -49,6 +49,7 @@ SOURCES = (
     RUNTIME / "csrc" / "module.cpp",
     RUNTIME / "csrc" / "simd.h",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
+    RUNTIME / "attention" / "csrc" / "extend_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed_kquants.h",

@@ -13,19 +13,26 @@ already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` r
 compiled kernel of ``cpu_kernels`` does a decode row's whole attention reading the pool in place instead, in
 float32 and bfloat16 (opt in with ``cpu_kernels=True``; the engine does for CPU models); the PyTorch ops stay the
 reference. The kernel attends each grouped row over its whole row (shared prefix put back in front, see
-``_full_rows``): reading the prefix in place from cache beat the cascade's gather and merges on CPU.
+``_full_rows``): reading the prefix in place from cache beat the cascade's gather and merges on CPU. In bfloat16
+on a CPU with AVX-512 BF16 and no AMX, every long prefill chunk of a step goes to ``cpu_kernels``' prefill kernel
+in one call instead of SDPA, its cached prefix read in place (no gather, no mask).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.runtime.attention import cpu_kernels
 from radixserve.runtime.attention.base import PLAIN, AttentionBackend, AttentionMetadata, AttnOptions, PrefixGroup
-from radixserve.runtime.attention.cpu_kernels import DecodeAttention, decode_attention_op
+from radixserve.runtime.attention.cpu_kernels import (
+    DecodeAttention,
+    ExtendAttention,
+    decode_attention_op,
+    extend_attention_op,
+)
 from radixserve.runtime.attention.masked import masked_attention
 from radixserve.runtime.kv_pool import KVPool
 
@@ -61,6 +68,9 @@ class _StepState:
     # Per extend: (slot table, lengths) when its queries run as decode rows of the kernel (``SHORT_EXTEND``).
     short_extends: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per window: rows' tails
+    # The chunks the bfloat16 prefill kernel attends, in one call: (slots, seqs) as ``ExtendAttention`` takes them,
+    # and whether that is every chunk of the step; None when no chunk goes to it.
+    kernel_extends: tuple[torch.Tensor, torch.Tensor, bool] | None = None
 
 
 def _query_rows(kv_slots: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +152,7 @@ class TorchReferenceBackend(AttentionBackend):
     def __init__(self, cpu_kernels: bool = False, deterministic: bool = False) -> None:
         self._workspace: torch.Tensor | None = None
         self._decode_kernel: DecodeAttention | None = decode_attention_op() if cpu_kernels or deterministic else None
+        self._extend_kernel: ExtendAttention | None = extend_attention_op() if cpu_kernels else None
         if deterministic and self._decode_kernel is None:
             raise ValueError(
                 "--enable-deterministic-inference needs the compiled CPU attention kernel, which did not build on "
@@ -168,8 +179,12 @@ class TorchReferenceBackend(AttentionBackend):
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
                 decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
         kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)
+        bf16_kernel = self._extend_kernel is not None and pool.kv[0].dtype == torch.bfloat16 and kernel
         extends: list[torch.Tensor | None] = []
         short: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        chunk_slots: list[torch.Tensor] = []
+        chunk_rows: list[tuple[int, int, int, int]] = []
+        offset = 0
         for seq in meta.extends:
             slots = seq.kv_slots
             if slots is None and self.deterministic:  # a fresh sequence: its keys are the chunk's own slots
@@ -178,8 +193,19 @@ class TorchReferenceBackend(AttentionBackend):
             # A short chunk after a cached prefix (a speculative verification, a jump-forward's forced tokens): each
             # query is a decode row of the kernel over the prefix up to itself, read in place (no gather).
             short.append(_query_rows(slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
+            if bf16_kernel and not as_rows:  # the prefill kernel reads the chunk's keys in place, prefix and all
+                own = meta.out_slots[seq.q_start : seq.q_start + seq.q_len]
+                chunk_slots.append(own if seq.kv_slots is None else seq.kv_slots)
+                chunk_rows.append((seq.q_start, seq.q_len, seq.kv_len, offset))
+                offset += seq.kv_len
+                extends.append(None)
+                continue
             extends.append(None if seq.kv_slots is None or as_rows else _kv_rows(seq.kv_slots, pool))
-        return _StepState(decode, tuple(extends), short_extends=tuple(short))
+        in_kernel = None
+        if chunk_rows:
+            table = torch.tensor(chunk_rows, dtype=torch.int64)
+            in_kernel = (torch.cat(chunk_slots), table, len(chunk_rows) == len(meta.extends))
+        return _StepState(decode, tuple(extends), short_extends=tuple(short), kernel_extends=in_kernel)
 
     def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``kv.view(-1, D)[index]``, into the reused workspace when it is small enough."""
@@ -218,12 +244,19 @@ class TorchReferenceBackend(AttentionBackend):
             decoded = self._decode(q[:nd], kv, state.decode, meta.prefix_groups)
             if not meta.extends:
                 return decoded
-        out = torch.empty_like(q)
+        n_kv, d = kv.shape[1], kv.shape[3]
+        in_kernel = state.kernel_extends
+        if in_kernel is not None:
+            assert self._extend_kernel is not None
+            out = self._extend_kernel(q.contiguous(), kv, in_kernel[0], in_kernel[1], d**-0.5, 0)
+        else:
+            out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        n_kv, d = kv.shape[1], kv.shape[3]
         for seq, index, short in zip(meta.extends, state.extend_index, state.short_extends, strict=True):
             s, e = seq.q_start, seq.q_start + seq.q_len
+            if in_kernel is not None and short is None:
+                continue  # attended above
             if short is not None:
                 assert self._decode_kernel is not None
                 out[s:e] = self._decode_kernel(q[s:e].contiguous(), kv, short[0], short[1], d**-0.5)[0]
@@ -254,11 +287,21 @@ class TorchReferenceBackend(AttentionBackend):
         options: AttnOptions,
     ) -> torch.Tensor:
         """A layer with a window or a scale (no soft-capping) decodes on the compiled kernel over each row's last
-        ``window`` slots, and so do the queries of its prefill chunks when deterministic; everything else goes
-        through ``masked``."""
+        ``window`` slots, and so do the queries of its prefill chunks when deterministic; in bfloat16 its chunks
+        go to the prefill kernel (window and scale included) when every chunk of the step does; everything else
+        goes through ``masked``."""
         kernel = self._decode_kernel
         usable = options.softcap is None and kernel is not None and cpu_kernels.applies(kv.device, kv.dtype)
         as_rows = usable and self.deterministic  # (``prepare`` made every chunk's query rows)
+        in_kernel = state.kernel_extends
+        if usable and meta.extends and in_kernel is not None and in_kernel[2]:  # all chunks on the prefill kernel
+            assert self._extend_kernel is not None
+            d = q.shape[-1]
+            scale = options.scale if options.scale is not None else d**-0.5
+            out = self._extend_kernel(q.contiguous(), kv, in_kernel[0], in_kernel[1], scale, options.window or 0)
+            if meta.num_decode:
+                out[: meta.num_decode] = self._with_options(q, k, v, kv, replace(meta, extends=()), state, options)
+            return out
         if not usable or not (meta.num_decode or as_rows):
             return masked_attention(q, k, v, kv, meta, self._whole_rows(meta, state), options)
         assert kernel is not None

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "../attention/csrc/decode_attention.cpp"
+#include "../attention/csrc/extend_attention.cpp"
 #include "../models/csrc/bf16_linear.cpp"
 #include "../models/csrc/fused_ops.cpp"
 #include "../models/csrc/quant_linear.cpp"
@@ -11,6 +12,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_attention(m);
+  register_extend_attention(m);
   register_quant_linear(m);
   register_quant_packed(m);
   register_fused_ops(m);

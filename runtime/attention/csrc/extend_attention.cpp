@@ -1,0 +1,321 @@
+// Prefill ("extend") attention straight from the KV pool, in bfloat16 on CPUs with AVX-512 BF16.
+//
+// Every prefill chunk of a step attends causally to its sequence's keys: a cached prefix (at any slots of the pool)
+// followed by the chunk's own tokens, which the backend has written into the pool before attention runs. The
+// PyTorch path gathers a cached prefix's K/V into a copy and runs SDPA with a mask, one sequence at a time; in
+// bfloat16 on a CPU without AMX, SDPA's flash kernel widens to float32 and multiplies with sgemm (~25 GFLOP/s on
+// the 2-core Zen 4). Here the products are vdpbf16ps (two bfloat16 products summed into a float32 lane).
+//
+// Two phases in one call, each split over the cores:
+//   1. pack: each (sequence, KV head)'s keys, read in place from their slots, into tiles of 16 keys where one
+//      512-bit register holds one pair of dimensions of 16 keys (``Kt``), and its values into registers that hold
+//      16 dimensions of two consecutive keys (``Vt``), the operand layouts vdpbf16ps needs. Padding is zero.
+//   2. attend: per (sequence, KV head, block of QB query positions), the block's G*QB query rows (the G query heads
+//      of a KV head share its keys) run flash attention over blocks of KB keys: scores in float32, an online
+//      softmax (running max and sum per row), probabilities rounded to bfloat16 for the product with the values
+//      (as SDPA's reduced-precision path does), float32 accumulators. Key blocks wholly after a block's last
+//      query, or wholly before its first query's window, are skipped.
+//
+// Layouts (contiguous): q [T, H, D] bfloat16 (query head i uses KV head i / (H / Hkv)); kv [2, Hkv, N, D]
+// bfloat16 (one layer of the pool); slots int64, every sequence's kv_len slots one after another; seqs [B, 4]
+// int64 rows of (q_start, q_len, kv_len, slot_offset): the query at offset i of a chunk sits at position
+// kv_len - q_len + i and sees keys [max(0, pos - window + 1), pos] (window 0: no window). Returns out [T, H, D]
+// bfloat16; rows of q outside every chunk are left as they were in ``out`` (uninitialized: callers cover them).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../../csrc/simd.h"
+
+namespace radixserve_extend_attention {
+namespace {
+
+constexpr int64_t QB = 16;  // query positions per task
+constexpr int64_t KB = 64;  // keys per block of the online softmax (4 tiles of 16)
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kFast = true;
+
+using bf16 = c10::BFloat16;
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+struct Seq {
+  int64_t q_start, q_len, kv_len, slot_off, pack_off;  // pack_off: this sequence's first packed key (KB-aligned)
+};
+
+// Phase 1 for one (sequence, KV head, block of KB keys): keys into Kt tiles, values into Vt pairs.
+// Kt: per tile of 16 keys, D/2 registers; register p holds, per key lane, its dimensions (2p, 2p+1) as one word.
+// Vt: per pair of keys (2j, 2j+1), D/16 registers; register c holds, per lane l, (v[2j][16c+l], v[2j+1][16c+l]).
+void pack_block(const uint16_t* keys, const uint16_t* values, const int64_t* slots, int64_t first, int64_t count,
+                int64_t D, uint32_t* kt, uint32_t* vt) {
+  const int64_t DP = D / 2;
+  for (int64_t tile = 0; tile < KB / 16; ++tile) {
+    uint32_t* dst = kt + tile * DP * 16;
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      const int64_t j = first + tile * 16 + lane;
+      if (j < count) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(keys + slots[j] * D);
+        for (int64_t p = 0; p < DP; ++p) dst[p * 16 + lane] = src[p];
+      } else {
+        for (int64_t p = 0; p < DP; ++p) dst[p * 16 + lane] = 0;
+      }
+    }
+  }
+  for (int64_t pair = 0; pair < KB / 2; ++pair) {
+    uint32_t* dst = vt + pair * D;  // D words: D/16 registers of 16 lanes
+    const int64_t j0 = first + 2 * pair, j1 = j0 + 1;
+    const uint16_t* v0 = j0 < count ? values + slots[j0] * D : nullptr;
+    const uint16_t* v1 = j1 < count ? values + slots[j1] * D : nullptr;
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t lo = v0 != nullptr ? v0[d] : 0, hi = v1 != nullptr ? v1[d] : 0;
+      dst[d] = lo | (hi << 16);
+    }
+  }
+}
+
+// Scores of MR query rows against the 4 tiles of one key block: s[m][t*16 + lane] = q_m . k_lane.
+template <int DP, int MR>
+inline void block_scores(const uint32_t* const* qrows, const uint32_t* kt, float* s) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int p = 0; p < DP; ++p) {
+    __m512bh k[4];
+    for (int t = 0; t < 4; ++t) k[t] = as_bh(_mm512_loadu_si512(kt + (t * DP + p) * 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(qrows[m][p])));
+      for (int t = 0; t < 4; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], k[t], qv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + m * KB + t * 16, acc[m][t]);
+}
+
+// o[m] = o[m] * alpha[m] + P[m] . V over one key block, for MR rows of ND * 16 dimensions (float32 in memory).
+template <int ND, int MR>
+inline void block_values(const uint32_t* const* prow, const float* alpha, const uint32_t* vt, float* const* orow) {
+  __m512 acc[MR][ND];
+  for (int m = 0; m < MR; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int c = 0; c < ND; ++c) acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(orow[m] + c * 16), a);
+  }
+  for (int pair = 0; pair < KB / 2; ++pair) {
+    __m512bh v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = as_bh(_mm512_loadu_si512(vt + (pair * ND + c) * 16));
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(prow[m][pair])));
+      for (int c = 0; c < ND; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], v[c], pv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[m] + c * 16, acc[m][c]);
+}
+
+// Phase 2 for one task: rows r = i * G + g (query position i of the block, head g of the KV head's group).
+template <int ND>
+void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, const Seq& sq, int64_t i0, int64_t window,
+                  float scale, const uint32_t* kt, const uint32_t* vt, uint16_t* out) {
+  constexpr int D = ND * 16, DP = D / 2;
+  constexpr int MRS = 4;            // score rows per register block: 16 accumulators + 4 key registers
+  constexpr int MRV = 16 / ND;      // value rows per register block: 16 accumulators + ND value registers
+  constexpr int RMAX = QB * 8 + 8;  // G <= 8
+  const int64_t n_pos = std::min(QB, sq.q_len - i0);
+  const int64_t R = n_pos * G;
+  const int64_t Rp = (R + 3) / 4 * 4;  // a multiple of MRS and MRV (both divide 4)
+  alignas(64) static thread_local float s[RMAX * KB];
+  alignas(64) static thread_local uint16_t pb[RMAX * KB];
+  alignas(64) static thread_local float o[RMAX * 128];
+  alignas(64) static thread_local uint32_t zero_q[64];
+  float m_run[RMAX], l_run[RMAX], alpha[RMAX];
+  int64_t pos[RMAX];
+  const uint32_t* qrows[RMAX];
+  const int64_t first_pos = sq.kv_len - sq.q_len;
+  for (int64_t r = 0; r < Rp; ++r) {
+    if (r < R) {
+      const int64_t i = i0 + r / G, g = r % G;
+      qrows[r] = reinterpret_cast<const uint32_t*>(q + ((sq.q_start + i) * H + h * G + g) * D);
+      pos[r] = first_pos + i;
+    } else {
+      qrows[r] = zero_q;
+      pos[r] = first_pos + i0;
+    }
+    m_run[r] = -std::numeric_limits<float>::infinity();
+    l_run[r] = 0.0f;
+    std::memset(o + r * D, 0, D * sizeof(float));
+  }
+  const int64_t last = first_pos + i0 + n_pos - 1;  // the block's last query position
+  const int64_t kb_end = last / KB + 1;
+  const int64_t kb_begin = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) / KB : 0;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+    const uint32_t* ktb = kt + kb * KB * DP;
+    const uint32_t* vtb = vt + kb * KB * D / 2;
+    for (int64_t r = 0; r < Rp; r += MRS) block_scores<DP, MRS>(qrows + r, ktb, s + r * KB);
+    // A block needs a mask where some key of it lies after a row's position or before its window.
+    const bool full = (kb + 1) * KB - 1 <= first_pos + i0 && (window == 0 || kb * KB > last - window);
+    for (int64_t r = 0; r < Rp; ++r) {
+      float* sr = s + r * KB;
+      const __m512 sc = _mm512_set1_ps(scale);
+      __m512 v[4];
+      __m512 mx = neg_inf;
+      for (int t = 0; t < 4; ++t) {
+        v[t] = _mm512_mul_ps(_mm512_loadu_ps(sr + t * 16), sc);
+        if (!full) {
+          const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(kb * KB + t * 16)));
+          __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos[r])));
+          if (window > 0)
+            ok &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos[r] - window)));
+          v[t] = _mm512_mask_mov_ps(neg_inf, ok, v[t]);
+        }
+        mx = _mm512_max_ps(mx, v[t]);
+      }
+      const float m_new = std::max(m_run[r], _mm512_reduce_max_ps(mx));
+      uint16_t* pr = pb + r * KB;
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet: no weights, nothing changes
+        std::memset(pr, 0, KB * sizeof(uint16_t));
+        alpha[r] = 1.0f;
+        continue;
+      }
+      alpha[r] = std::exp(m_run[r] - m_new);  // 0 on the first visible block (m_run = -inf)
+      m_run[r] = m_new;
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < 4; ++t) {
+        const __m512 e = radixserve_simd::exp(_mm512_sub_ps(v[t], mv));
+        sum = _mm512_add_ps(sum, e);
+        const __m256bh rounded = _mm512_cvtneps_pbh(e);
+        std::memcpy(pr + t * 16, &rounded, sizeof(rounded));
+      }
+      l_run[r] = l_run[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t r = 0; r < Rp; r += MRV) {
+      const uint32_t* prow[MRV];
+      float* orow[MRV];
+      for (int m = 0; m < MRV; ++m) {
+        prow[m] = reinterpret_cast<const uint32_t*>(pb + (r + m) * KB);
+        orow[m] = o + (r + m) * D;
+      }
+      block_values<ND, MRV>(prow, alpha + r, vtb, orow);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = i0 + r / G, g = r % G;
+    bf16* dst = reinterpret_cast<bf16*>(out + ((sq.q_start + i) * H + h * G + g) * D);
+    const __m512 inv = _mm512_set1_ps(1.0f / l_run[r]);
+    for (int c = 0; c < ND; ++c) radixserve_simd::store16(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
+  }
+}
+
+template <int ND>
+void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, const std::vector<Seq>& seqs,
+         int64_t packed_keys, int64_t window, float scale, torch::Tensor& out) {
+  constexpr int64_t D = ND * 16;
+  const int64_t H = q.size(1), Hkv = kv.size(1), N = kv.size(2), G = H / Hkv;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(kv.data_ptr());
+  const uint16_t* vp = kp + Hkv * N * D;
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // Packed keys and values: [Hkv, packed_keys, D] bfloat16 each (as words: packed_keys * D / 2 per head).
+  std::vector<uint32_t> kt(static_cast<size_t>(Hkv * packed_keys * D / 2));
+  std::vector<uint32_t> vt(kt.size());
+  std::vector<std::array<int64_t, 3>> packs;  // (seq, head, key block)
+  std::vector<std::array<int64_t, 3>> tasks;  // (seq, head, query block)
+  for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
+    const int64_t n_kb = (seqs[b].kv_len + KB - 1) / KB, n_qb = (seqs[b].q_len + QB - 1) / QB;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t kb = 0; kb < n_kb; ++kb) packs.push_back({b, h, kb});
+      // Query blocks from both ends in turn: causal blocks cost more the later they sit, and parallel_for hands
+      // each thread a contiguous range of tasks, so alternating keeps the threads' shares even.
+      for (int64_t lo = 0, hi = n_qb - 1; lo <= hi; ++lo, --hi) {
+        tasks.push_back({b, h, lo});
+        if (hi != lo) tasks.push_back({b, h, hi});
+      }
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [b, h, kb] = packs[t];
+      const Seq& sq = seqs[b];
+      const int64_t base = (h * packed_keys + sq.pack_off + kb * KB) * D / 2;
+      pack_block(kp + h * N * D, vp + h * N * D, slots + sq.slot_off, kb * KB, sq.kv_len, D, kt.data() + base,
+                 vt.data() + base);
+    }
+  });
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [b, h, qb] = tasks[t];
+      const Seq& sq = seqs[b];
+      const int64_t base = (h * packed_keys + sq.pack_off) * D / 2;
+      attend_block<ND>(qp, H, G, h, sq, qb * QB, window, scale, kt.data() + base, vt.data() + base, op);
+    }
+  });
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+}  // namespace
+
+bool available() { return kFast; }
+
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
+                               double scale, int64_t window) {
+  TORCH_CHECK(kFast, "extend_attention: built without AVX-512 BF16");
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && slots.dim() == 1 && seqs.dim() == 2 && seqs.size(1) == 4,
+              "extend_attention: bad ranks");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && kv.scalar_type() == torch::kBFloat16, "extend_attention: bfloat16");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seqs.scalar_type() == torch::kInt64, "extend_attention: int64");
+  TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && slots.is_contiguous() && seqs.is_contiguous(),
+              "extend_attention: contiguous inputs");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv.size(1), N = kv.size(2);
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0 && H / Hkv <= 8,
+              "extend_attention: shapes disagree (or more than 8 query heads per KV head)");
+  TORCH_CHECK(D == 64 || D == 128, "extend_attention: head_dim 64 or 128");
+  TORCH_CHECK(window >= 0, "extend_attention: window >= 0");
+  auto out = torch::empty_like(q);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* info = seqs.data_ptr<int64_t>();
+  std::vector<Seq> list;
+  int64_t packed = 0;
+  for (int64_t b = 0; b < seqs.size(0); ++b) {
+    const int64_t qs = info[b * 4], ql = info[b * 4 + 1], kl = info[b * 4 + 2], so = info[b * 4 + 3];
+    TORCH_CHECK(ql >= 0 && qs >= 0 && qs + ql <= T && ql <= kl && so >= 0 && so + kl <= slots.size(0),
+                "extend_attention: sequence ", b, " out of range");
+    bool ok = true;  // a bad slot must not read outside the pool
+    for (int64_t j = 0; j < kl; ++j) ok &= sp[so + j] >= 0 && sp[so + j] < N;
+    TORCH_CHECK(ok, "extend_attention: slot out of range");
+    if (ql == 0) continue;
+    list.push_back({qs, ql, kl, so, packed});
+    packed += (kl + KB - 1) / KB * KB;
+  }
+  const float sc = static_cast<float>(scale);
+  if (D == 64) {
+    run<4>(q, kv, sp, list, packed, window, sc, out);
+  } else {
+    run<8>(q, kv, sp, list, packed, window, sc, out);
+  }
+#endif
+  return out;
+}
+
+}  // namespace radixserve_extend_attention
+
+void register_extend_attention(pybind11::module_& parent) {
+  auto m = parent.def_submodule("extend_attention");
+  m.def("available", &radixserve_extend_attention::available, "whether this build has the AVX-512 BF16 kernel");
+  m.def("extend_attention", &radixserve_extend_attention::extend_attention,
+        "causal prefill attention over pool slots (bfloat16, CPU with AVX-512 BF16)",
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,119 @@
+"""The compiled bfloat16 prefill-attention kernel against the same attention in plain PyTorch, alone and inside the
+reference backend's step (decode rows, fresh chunks, chunks after a cached prefix, short chunks, windowed layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.runtime.attention import AttentionMetadata, AttnOptions, ExtendSeq, TorchReferenceBackend
+from radixserve.runtime.attention.cpu_kernels import extend_attention_op, reference_extend_attention
+from radixserve.runtime.cpu_ext import load_kernels
+from radixserve.runtime.cpu_features import cpu_flags
+from radixserve.runtime.kv_pool import KVPool
+
+
+def _expected_op() -> bool:
+    """Where the kernel must be in use: a build with AVX-512 BF16 and a CPU without AMX (SDPA is faster there)."""
+    module = load_kernels()
+    return module is not None and module.extend_attention.available() and "amx_bf16" not in cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def op():
+    kernel = extend_attention_op()
+    if kernel is None:
+        assert not _expected_op(), "the prefill-attention kernel built but failed its self-check (see the log)"
+        pytest.skip("no AVX-512 BF16 without AMX on this CPU: prefill attention stays on SDPA")
+    return kernel
+
+
+def _chunks(
+    chunks: list[tuple[int, int]], n_slots: int, before: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot tables (scattered, one after another) and the (q_start, q_len, kv_len, offset) rows of ``chunks``
+    [(q_len, kv_len)], their queries starting at row ``before``."""
+    slots = torch.cat([torch.randperm(n_slots, generator=gen)[:kv_len] for _, kv_len in chunks])
+    rows, q_start, offset = [], before, 0
+    for q_len, kv_len in chunks:
+        rows.append([q_start, q_len, kv_len, offset])
+        q_start, offset = q_start + q_len, offset + kv_len
+    return slots, torch.tensor(rows)
+
+
+# (query heads, KV heads, head size, window): group sizes 1-8, both head sizes, windows shorter than a key block,
+# longer than one, and none.
+SHAPES = [(9, 3, 64, 0), (32, 8, 64, 0), (8, 1, 64, 0), (8, 8, 128, 0), (12, 2, 128, 24), (9, 3, 64, 100)]
+SHAPES.append((4, 4, 64, 1))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"), SHAPES)
+@torch.inference_mode()
+def test_kernel_equals_reference(op, heads: int, kv_heads: int, dim: int, window: int) -> None:
+    """Chunks of lengths around the kernel's blocks (1, 15-17, 63-65, 300) with and without a cached prefix, in one
+    call, against float32 attention over the same bfloat16 values: within bfloat16's rounding of the output and of
+    the probabilities."""
+    gen = torch.Generator().manual_seed(heads * dim + window)
+    chunks = [(1, 1), (17, 17), (300, 300), (1, 700), (15, 80), (65, 65), (63, 640), (16, 16)]
+    kv = (torch.randn(2, kv_heads, 900, dim, generator=gen) * 2).bfloat16()
+    slots, seqs = _chunks(chunks, 900, 3, gen)
+    q = (torch.randn(3 + sum(c[0] for c in chunks), heads, dim, generator=gen) * 2).bfloat16()
+    out = op(q, kv, slots, seqs, dim**-0.5, window)
+    want = reference_extend_attention(q, kv, slots, seqs, dim**-0.5, window)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[3:].float(), want[3:], rtol=2e-2, atol=2e-2)
+    # Mean error well under the tolerance: the bfloat16 rounding of the output (2^-9 relative) dominates it.
+    assert (out[3:].float() - want[3:]).abs().mean() < 4e-3
+
+
+@torch.inference_mode()
+def test_kernel_refuses_what_would_read_outside_its_inputs(op) -> None:
+    kv = torch.randn(2, 3, 50, 64).bfloat16()
+    q = torch.randn(8, 9, 64).bfloat16()
+    slots = torch.arange(8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(q, kv, torch.tensor([0, 1, 2, 3, 4, 5, 6, 50]), torch.tensor([[0, 8, 8, 0]]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, kv, slots, torch.tensor([[1, 8, 8, 0]]), 0.125, 0)  # queries past q
+    with pytest.raises(RuntimeError, match="out of range"):
+        op(q, kv, slots, torch.tensor([[0, 8, 9, 0]]), 0.125, 0)  # keys past the slot list
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        op(q.float(), kv.float(), slots, torch.tensor([[0, 8, 8, 0]]), 0.125, 0)
+
+
+@pytest.mark.parametrize("options", [AttnOptions(), AttnOptions(window=40, scale=0.1)])
+@pytest.mark.parametrize("with_short", [True, False])
+@torch.inference_mode()
+def test_backend_step_on_the_kernel_equals_sdpa(op, options: AttnOptions, with_short: bool) -> None:
+    """One step of two decode rows, a fresh 120-token chunk, a 90-token chunk after a 200-token cached prefix and
+    maybe an 8-token chunk after a cached prefix (a short one, on the decode kernel): the backend with the kernels
+    equals the PyTorch path (SDPA and masks), and the long chunks went to the prefill kernel in one call (a windowed
+    layer takes it when every chunk of the step does)."""
+    gen = torch.Generator().manual_seed(0)
+    n_kv, heads, d, n_slots = 3, 9, 64, 1000
+    pools = [KVPool(n_slots, 1, n_kv, d, torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+    keys, values = torch.randn(n_slots, n_kv, d, generator=gen), torch.randn(n_slots, n_kv, d, generator=gen)
+    for pool in pools:
+        pool.k[0].copy_(keys)
+        pool.v[0].copy_(values)
+    perm = torch.randperm(n_slots, generator=gen)
+    decode = [perm[:50], perm[50:61]]
+    fresh, prefixed, short = perm[61:181], perm[181:471], perm[471:571]
+    out_slots = torch.cat([decode[0][-1:], decode[1][-1:], fresh, prefixed[-90:], short[-8:]])
+    extends = (ExtendSeq(2, 120, 120, None), ExtendSeq(122, 90, 290, prefixed), ExtendSeq(212, 8, 100, short))
+    if not with_short:
+        out_slots, extends = out_slots[:-8], extends[:2]
+    t = out_slots.numel()
+    width = 50
+    decode_slots = torch.stack([torch.cat([r, r[:1].expand(width - len(r))]) for r in decode])
+    mask = (torch.arange(width)[None, :] < torch.tensor([50, 11])[:, None])[:, None, None, :]
+    meta = AttentionMetadata(out_slots, 2, decode_slots, mask, extends)
+    q = torch.randn(t, heads, d, generator=gen).bfloat16()
+    k, v = torch.randn(t, n_kv, d, generator=gen).bfloat16(), torch.randn(t, n_kv, d, generator=gen).bfloat16()
+    fast, plain = TorchReferenceBackend(cpu_kernels=True), TorchReferenceBackend(cpu_kernels=False)
+    state = fast.prepare(meta, pools[0])
+    assert state.kernel_extends is not None and state.kernel_extends[1][:, 1].tolist() == [120, 90]
+    assert state.kernel_extends[2] == (not with_short)
+    got = fast.forward(0, q, k, v, meta, pools[0], state, options)
+    want = plain.forward(0, q, k, v, meta, pools[1], None, options)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
