@@ -192,7 +192,7 @@ def test_a_bfloat16_prefill_step_unpacks_the_blocks_for_the_gemm(
     when the slice is smaller than the matrix) and is the dequantized matmul to bfloat16 rounding, bias included;
     fewer rows keep the block kernel."""
     monkeypatch.setattr(quant, "UNPACK_SLICE_BYTES", slice_bytes)
-    monkeypatch.setattr(quant, "_amx", lambda: True)  # without AMX a packed weight keeps its kernel (tested below)
+    monkeypatch.setattr(quant, "amx", lambda: True)  # without AMX a packed weight keeps its kernel (tested below)
     gen = torch.Generator().manual_seed(3)
     w = quantize_q4_1(torch.randn(200, 128, generator=gen))
     want_w = reference_dequantize(w)
@@ -213,7 +213,7 @@ def test_without_amx_a_packed_weight_keeps_its_kernel_at_every_row_count(
 ) -> None:
     """Where the bfloat16 GEMM has no AMX the int8 kernel is the faster one at prefill sizes too, and a row's
     result then stays independent of its batch in bfloat16 as well."""
-    monkeypatch.setattr(quant, "_amx", lambda: amx)
+    monkeypatch.setattr(quant, "amx", lambda: amx)
     gen = torch.Generator().manual_seed(5)
     w = _layout(quantize_q4_1(torch.randn(48, 64, generator=gen)), "packed")
     x = torch.randn(quant.BF16_UNPACK_FROM_ROWS + 6, 64, generator=gen).to(torch.bfloat16)
@@ -347,3 +347,25 @@ def test_the_ggml_type_table_is_gguf_pys() -> None:
     for type_id, (name, block, size) in GGML_TYPES.items():
         kind = gguf.GGMLQuantizationType(type_id)
         assert (kind.name, (block, size)) == (name, gguf.constants.GGML_QUANT_SIZES[kind])
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_packed_linear_layer_calls_the_kernel_as_quant_linear_does(
+    amx: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Linear.forward`` calls the packed kernel directly (no per-call ``QuantTensor``); its results are
+    ``quant.linear``'s bit for bit, bias included, at decode and prefill sizes, with AMX's unpacking and without."""
+    from radixserve.runtime.models.linear import Linear
+
+    monkeypatch.setattr(quant, "amx", lambda: amx)
+    gen = torch.Generator().manual_seed(8)
+    lin = Linear(64, 40, bias=True)
+    lin.bias.data = torch.randn(40, generator=gen).to(dtype)
+    lin.set_quantized(quantize_q4_1(torch.randn(40, 64, generator=gen)))
+    assert lin.qpacked == (quant.packed_ops() is not None)
+    for rows in (1, 5, quant.BF16_UNPACK_FROM_ROWS + 3):
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        assert torch.equal(lin(x), quant.linear(x, lin.quant, lin.bias))
+    assert (lin._direct is not None) == lin.qpacked

@@ -176,6 +176,29 @@ class Linear(_Quantizable, nn.Linear):
         initializers would import torch's reference-op machinery, seconds at every start)."""
 
 
+    # (packed kernel, blocks, type code, K, N) for a weight of one packed part, made once (``_direct_call``).
+    _direct: tuple | None = None
+
+    def _direct_call(self, x: torch.Tensor) -> tuple | None:
+        """The packed block kernel's call for ``x``, where ``quant.linear`` would make that very call: one packed
+        part and a 2-D float32 or bfloat16 ``x`` on CPU that does not unpack for a GEMM (``quant._unpacks_for_gemm``).
+        A decode step makes ~120 linear calls; going through ``quant.linear`` (a ``QuantTensor`` built per call,
+        its checks, reshapes) cost ~16 us of Python each, ~2 ms a step of SmolLM2 at one row."""
+        if not self.qpacked or self._qparts or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        data = self._buffers["qdata"]
+        direct = self._direct
+        if direct is None or direct[1] is not data:
+            assert self.qtype is not None and self.qshape is not None and data is not None
+            op = quant.packed_ops()
+            if op is None or data.device.type != "cpu":
+                return None
+            n, k = self.qshape
+            direct = self._direct = (op.linear, data, quant.QTYPES[self.qtype], k, n)
+        if x.dtype == torch.bfloat16 and x.shape[0] >= quant.BF16_UNPACK_FROM_ROWS and quant.amx():
+            return None
+        return direct
+
     def _eligible(self) -> bool:
         w = self.weight
         if w is None or not self._pack_allowed:  # quantized, or shared
@@ -217,6 +240,10 @@ class Linear(_Quantizable, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
+            direct = self._direct_call(x)
+            if direct is not None:
+                y = direct[0](x, *direct[1:])
+                return y if self.bias is None else y + self.bias
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         if self._released:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -309,7 +309,8 @@ BF16_UNPACK_FROM_ROWS = 64
 UNPACK_SLICE_BYTES = 8 * 2**20
 
 
-def _amx() -> bool:
+@functools.cache
+def amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
@@ -321,7 +322,7 @@ def _unpacks_for_gemm(w: QuantTensor, x2: torch.Tensor) -> bool:
     unpacks there."""
     if x2.dtype != torch.bfloat16 or x2.shape[0] < BF16_UNPACK_FROM_ROWS:
         return False
-    return not w.packed or _amx()
+    return not w.packed or amx()
 
 
 def _dequantized_rows(w: QuantTensor, n0: int, n1: int) -> torch.Tensor:
