@@ -117,3 +117,22 @@ def test_backend_step_on_the_kernel_equals_sdpa(op, options: AttnOptions, with_s
     got = fast.forward(0, q, k, v, meta, pools[0], state, options)
     want = plain.forward(0, q, k, v, meta, pools[1], None, options)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@torch.inference_mode()
+def test_a_tokens_result_does_not_depend_on_its_chunk(op, window: int) -> None:
+    """A 300-token prompt prefilled whole, or in chunks of 1, 37 and 262 tokens after what came before (read back
+    from the pool), gives every token the same bits: key blocks sit at fixed positions and blocks past a query add
+    exact zeros, whatever the chunk's length or the block of queries a token shares."""
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randn(2, 3, 400, 64, generator=gen).bfloat16()
+    slots = torch.randperm(400, generator=gen)[:300]
+    q = torch.randn(300, 9, 64, generator=gen).bfloat16()
+    whole = op(q, kv, slots, torch.tensor([[0, 300, 300, 0]]), 0.125, window)
+    pieces, start = [], 0
+    for n in (1, 37, 262):
+        chunk = q[start : start + n].contiguous()
+        pieces.append(op(chunk, kv, slots, torch.tensor([[0, n, start + n, 0]]), 0.125, window))
+        start += n
+    assert torch.equal(torch.cat(pieces), whole)
