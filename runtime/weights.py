@@ -19,18 +19,12 @@ from tqdm import tqdm
 
 from radixserve.runtime.json_file import read_json_object
 from radixserve.runtime.lean_tokenizer import LeanTokenizer
-from radixserve.runtime.safetensors_read import (
-    READ_AHEAD_BYTES,
-    Destination,
-    Select,
-    iter_file,
-    read_ahead,
-    read_header,
-)
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
+
+    from radixserve.runtime.safetensors_read import Destination, Select
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -49,6 +43,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def count_tensors(folder: Path) -> int:
     """How many tensors ``iter_weights(folder)`` yields (reads only the safetensors headers)."""
+    from radixserve.runtime.safetensors_read import read_header
+
     total = 0
     for file in safetensors_files(folder):
         total += len(read_header(file)[0])
@@ -61,7 +57,7 @@ def iter_weights(
     progress: bool = True,
     into: Destination | None = None,
     select: Select | None = None,
-    ahead: int = READ_AHEAD_BYTES,
+    ahead: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
 
@@ -70,9 +66,14 @@ def iter_weights(
     the consumer's job); files are read in sorted order, tensors in each file's key order, each into memory of its
     own (``runtime.safetensors_read``: no memory map keeps the file resident), or where ``into`` says (the loader
     reads the parts of a merged projection into its rows), only the part ``select`` names (a tensor-parallel rank's
-    shard: the tensor comes out cut), up to ``ahead`` bytes ahead on a reader thread. A tqdm bar
-    ("Loading weights") on stderr counts tensors unless ``progress`` is False.
+    shard: the tensor comes out cut), up to ``ahead`` bytes ahead on a reader thread (default
+    ``safetensors_read.READ_AHEAD_BYTES``). A tqdm bar ("Loading weights") on stderr counts tensors unless
+    ``progress`` is False.
     """
+    # Imported here: it imports torch, which the front-end process (it only tokenizes) never needs.
+    from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, iter_file, read_ahead
+
+    ahead = READ_AHEAD_BYTES if ahead is None else ahead
     files = safetensors_files(folder)
     seen: dict[str, Path] = {}
     with tqdm(
@@ -214,10 +215,20 @@ def load_tokenizer(folder: Path, *, lean: bool = False) -> PreTrainedTokenizerBa
     return tokenizer
 
 
-def _generic_fast_tokenizer(folder: Path) -> bool:
-    from importlib.metadata import version
+def _transformers_major() -> int:
+    """transformers' major version, from the ``Version:`` line of its installed metadata without importing it
+    (``importlib.metadata.version`` parses the whole file as e-mail headers: 0.11 s of every engine start)."""
+    from importlib.metadata import distribution
 
-    if not (folder / "tokenizer.json").is_file() or int(version("transformers").split(".")[0]) < 5:
+    text = distribution("transformers").read_text("METADATA") or ""
+    for line in text.splitlines():
+        if line.startswith("Version:"):
+            return int(line.split(":", 1)[1].strip().split(".")[0])
+    return 0
+
+
+def _generic_fast_tokenizer(folder: Path) -> bool:
+    if not (folder / "tokenizer.json").is_file() or _transformers_major() < 5:
         return False
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
