@@ -41,10 +41,10 @@ def _chunks(
     return slots, torch.tensor(rows)
 
 
-# (query heads, KV heads, head size, window): group sizes 1-8, both head sizes, windows shorter than a key block,
-# longer than one, and none.
+# (query heads, KV heads, head size, window): group sizes 1-16 (a task takes at most 8 query heads), every head
+# size with code (64, 96, 128, 256), windows shorter than a key block, longer than one, and none.
 SHAPES = [(9, 3, 64, 0), (32, 8, 64, 0), (8, 1, 64, 0), (8, 8, 128, 0), (12, 2, 128, 24), (9, 3, 64, 100)]
-SHAPES.append((4, 4, 64, 1))
+SHAPES += [(4, 4, 64, 1), (12, 4, 96, 0), (8, 4, 256, 30), (20, 2, 64, 0), (16, 1, 128, 0)]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window"), SHAPES)
@@ -77,6 +77,9 @@ def test_kernel_refuses_what_would_read_outside_its_inputs(op) -> None:
         op(q, kv, slots, torch.tensor([[1, 8, 8, 0]]), 0.125, 0)  # queries past q
     with pytest.raises(RuntimeError, match="out of range"):
         op(q, kv, slots, torch.tensor([[0, 8, 9, 0]]), 0.125, 0)  # keys past the slot list
+    with pytest.raises(RuntimeError, match="head_dim"):
+        small = torch.randn(8, 9, 32).bfloat16(), torch.randn(2, 3, 50, 32).bfloat16()
+        op(*small, slots, torch.tensor([[0, 8, 8, 0]]), 0.1, 0)
     with pytest.raises(RuntimeError, match="bfloat16"):
         op(q.float(), kv.float(), slots, torch.tensor([[0, 8, 8, 0]]), 0.125, 0)
 

@@ -107,6 +107,9 @@ def decode_attention_op() -> DecodeAttention | None:
     return op
 
 
+# Head sizes the prefill kernel has code for (other sizes stay on SDPA); any number of query heads per KV head.
+EXTEND_HEAD_DIMS = (64, 96, 128, 256)
+
 # (q [T, H, D], kv [2, Hkv, N, D], slots [S] int64: every chunk's kv_len slots one after another, seqs [B, 4] int64
 #  rows of (q_start, q_len, kv_len, slot_offset), scale, window (0: none)) -> out [T, H, D]; rows of q outside every
 #  chunk are left uninitialized. Query i of a chunk sits at position kv_len - q_len + i and sees the keys up to it
@@ -135,11 +138,12 @@ def reference_extend_attention(
 
 def _self_check_extend(op: ExtendAttention) -> bool:
     """The prefill kernel against ``reference_extend_attention`` on chunks with and without a cached prefix, a
-    window, both head sizes, in one batch. bfloat16 inputs; the kernel rounds its probabilities to bfloat16 before
-    the product with the values (as SDPA's bfloat16 path does), so it agrees to a few bfloat16 steps."""
+    window, every head size, more query heads per KV head than a task takes, in one batch. bfloat16 inputs; the
+    kernel rounds its probabilities to bfloat16 before the product with the values (as SDPA's bfloat16 path
+    does), so it agrees to a few bfloat16 steps."""
     gen = torch.Generator().manual_seed(0)
-    for heads, kv_heads, dim, window in ((9, 3, 64, 0), (8, 8, 128, 0), (12, 2, 128, 24)):
-        chunks = ((37, 200), (1, 70), (100, 100), (17, 90))  # (q_len, kv_len)
+    for heads, kv_heads, dim, window in ((9, 3, 64, 0), (8, 8, 128, 0), (12, 2, 96, 24), (10, 1, 256, 0)):
+        chunks = ((37, 150), (1, 70), (80, 80), (17, 90))  # (q_len, kv_len)
         kv = torch.randn(2, kv_heads, 600, dim, generator=gen).bfloat16()
         t = 3 + sum(q_len for q_len, _ in chunks)  # 3 rows before the chunks: the decode rows' place
         q = torch.randn(t, heads, dim, generator=gen).bfloat16()

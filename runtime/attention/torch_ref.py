@@ -179,7 +179,12 @@ class TorchReferenceBackend(AttentionBackend):
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
                 decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
         kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)
-        bf16_kernel = self._extend_kernel is not None and pool.kv[0].dtype == torch.bfloat16 and kernel
+        bf16_kernel = (
+            self._extend_kernel is not None
+            and pool.kv[0].dtype == torch.bfloat16
+            and pool.head_dim in cpu_kernels.EXTEND_HEAD_DIMS
+            and kernel
+        )
         extends: list[torch.Tensor | None] = []
         short: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         chunk_slots: list[torch.Tensor] = []

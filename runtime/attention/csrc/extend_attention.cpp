@@ -10,8 +10,9 @@
 //   1. pack: each (sequence, KV head)'s keys, read in place from their slots, into tiles of 16 keys where one
 //      512-bit register holds one pair of dimensions of 16 keys (``Kt``), and its values into registers that hold
 //      16 dimensions of two consecutive keys (``Vt``), the operand layouts vdpbf16ps needs. Padding is zero.
-//   2. attend: per (sequence, KV head, block of QB query positions), the block's G*QB query rows (the G query heads
-//      of a KV head share its keys) run flash attention over blocks of KB keys: scores in float32, an online
+//   2. attend: per (sequence, KV head, block of QB query positions, slice of at most 8 of the KV head's G query
+//      heads), the block's query rows (the query heads of a KV head share its keys) run flash attention over
+//      blocks of KB keys: scores in float32, an online
 //      softmax (running max and sum per row), probabilities rounded to bfloat16 for the product with the values
 //      (as SDPA's reduced-precision path does), float32 accumulators. Key blocks wholly after a block's last
 //      query, or wholly before its first query's window, are skipped.
@@ -41,6 +42,7 @@ namespace {
 
 constexpr int64_t QB = 16;  // query positions per task
 constexpr int64_t KB = 64;  // keys per block of the online softmax (4 tiles of 16)
+constexpr int64_t MAX_GS = 8;  // query heads of one KV head per task (more: several tasks)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kFast = true;
@@ -121,28 +123,28 @@ inline void block_values(const uint32_t* const* prow, const float* alpha, const 
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[m] + c * 16, acc[m][c]);
 }
 
-// Phase 2 for one task: rows r = i * G + g (query position i of the block, head g of the KV head's group).
+// Phase 2 for one task: rows r = i * GS + g (query position i of the block, head g0 + g of the KV head's group).
 template <int ND>
-void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, const Seq& sq, int64_t i0, int64_t window,
-                  float scale, const uint32_t* kt, const uint32_t* vt, uint16_t* out) {
+void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0, int64_t GS, const Seq& sq,
+                  int64_t i0, int64_t window, float scale, const uint32_t* kt, const uint32_t* vt, uint16_t* out) {
   constexpr int D = ND * 16, DP = D / 2;
   constexpr int MRS = 4;            // score rows per register block: 16 accumulators + 4 key registers
   constexpr int MRV = 16 / ND;      // value rows per register block: 16 accumulators + ND value registers
-  constexpr int RMAX = QB * 8 + 8;  // G <= 8
+  constexpr int RMAX = QB * MAX_GS;
   const int64_t n_pos = std::min(QB, sq.q_len - i0);
-  const int64_t R = n_pos * G;
+  const int64_t R = n_pos * GS;
   const int64_t Rp = (R + 3) / 4 * 4;  // a multiple of MRS and MRV (both divide 4)
   alignas(64) static thread_local float s[RMAX * KB];
   alignas(64) static thread_local uint16_t pb[RMAX * KB];
-  alignas(64) static thread_local float o[RMAX * 128];
-  alignas(64) static thread_local uint32_t zero_q[64];
+  alignas(64) static thread_local float o[RMAX * D];
+  alignas(64) static thread_local uint32_t zero_q[D / 2];
   float m_run[RMAX], l_run[RMAX], alpha[RMAX];
   int64_t pos[RMAX];
   const uint32_t* qrows[RMAX];
   const int64_t first_pos = sq.kv_len - sq.q_len;
   for (int64_t r = 0; r < Rp; ++r) {
     if (r < R) {
-      const int64_t i = i0 + r / G, g = r % G;
+      const int64_t i = i0 + r / GS, g = g0 + r % GS;
       qrows[r] = reinterpret_cast<const uint32_t*>(q + ((sq.q_start + i) * H + h * G + g) * D);
       pos[r] = first_pos + i;
     } else {
@@ -210,7 +212,7 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, const Seq&
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = i0 + r / G, g = r % G;
+    const int64_t i = i0 + r / GS, g = g0 + r % GS;
     bf16* dst = reinterpret_cast<bf16*>(out + ((sq.q_start + i) * H + h * G + g) * D);
     const __m512 inv = _mm512_set1_ps(1.0f / l_run[r]);
     for (int c = 0; c < ND; ++c) radixserve_simd::store16(dst + c * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c * 16), inv));
@@ -230,7 +232,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
   std::vector<uint32_t> kt(static_cast<size_t>(Hkv * packed_keys * D / 2));
   std::vector<uint32_t> vt(kt.size());
   std::vector<std::array<int64_t, 3>> packs;  // (seq, head, key block)
-  std::vector<std::array<int64_t, 3>> tasks;  // (seq, head, query block)
+  std::vector<std::array<int64_t, 4>> tasks;  // (seq, head, query block, first query head of the slice)
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
     const int64_t n_kb = (seqs[b].kv_len + KB - 1) / KB, n_qb = (seqs[b].q_len + QB - 1) / QB;
     for (int64_t h = 0; h < Hkv; ++h) {
@@ -238,8 +240,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       // Query blocks from both ends in turn: causal blocks cost more the later they sit, and parallel_for hands
       // each thread a contiguous range of tasks, so alternating keeps the threads' shares even.
       for (int64_t lo = 0, hi = n_qb - 1; lo <= hi; ++lo, --hi) {
-        tasks.push_back({b, h, lo});
-        if (hi != lo) tasks.push_back({b, h, hi});
+        for (int64_t g0 = 0; g0 < G; g0 += MAX_GS) {
+          tasks.push_back({b, h, lo, g0});
+          if (hi != lo) tasks.push_back({b, h, hi, g0});
+        }
       }
     }
   }
@@ -254,10 +258,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
   });
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const auto [b, h, qb] = tasks[t];
+      const auto [b, h, qb, g0] = tasks[t];
       const Seq& sq = seqs[b];
       const int64_t base = (h * packed_keys + sq.pack_off) * D / 2;
-      attend_block<ND>(qp, H, G, h, sq, qb * QB, window, scale, kt.data() + base, vt.data() + base, op);
+      attend_block<ND>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt.data() + base,
+                       vt.data() + base, op);
     }
   });
 }
@@ -279,9 +284,8 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
   TORCH_CHECK(q.is_contiguous() && kv.is_contiguous() && slots.is_contiguous() && seqs.is_contiguous(),
               "extend_attention: contiguous inputs");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv.size(1), N = kv.size(2);
-  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0 && H / Hkv <= 8,
-              "extend_attention: shapes disagree (or more than 8 query heads per KV head)");
-  TORCH_CHECK(D == 64 || D == 128, "extend_attention: head_dim 64 or 128");
+  TORCH_CHECK(kv.size(0) == 2 && kv.size(3) == D && Hkv > 0 && H % Hkv == 0, "extend_attention: shapes disagree");
+  TORCH_CHECK(D == 64 || D == 96 || D == 128 || D == 256, "extend_attention: head_dim 64, 96, 128 or 256");
   TORCH_CHECK(window >= 0, "extend_attention: window >= 0");
   auto out = torch::empty_like(q);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -301,10 +305,11 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
     packed += (kl + KB - 1) / KB * KB;
   }
   const float sc = static_cast<float>(scale);
-  if (D == 64) {
-    run<4>(q, kv, sp, list, packed, window, sc, out);
-  } else {
-    run<8>(q, kv, sp, list, packed, window, sc, out);
+  switch (D) {
+    case 64: run<4>(q, kv, sp, list, packed, window, sc, out); break;
+    case 96: run<6>(q, kv, sp, list, packed, window, sc, out); break;
+    case 128: run<8>(q, kv, sp, list, packed, window, sc, out); break;
+    default: run<16>(q, kv, sp, list, packed, window, sc, out); break;
   }
 #endif
   return out;
