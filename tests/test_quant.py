@@ -97,6 +97,17 @@ def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> 
     assert torch.equal(quant.linear(xb, blocks), quant.linear(xb.float(), blocks).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
+def test_packing_a_large_weight_on_several_threads_keeps_every_weight(qtype: str) -> None:
+    """Packing splits a weight's channel groups among threads from 128 groups on (the last part shorter): 2,070
+    channels (130 groups, the last padded) unpack to the definition's numbers."""
+    if quant.packed_ops() is None:
+        pytest.skip("no packed kernel on this CPU")
+    gen = torch.Generator().manual_seed(9)
+    blocks = quant._random_blocks(qtype, 2070, quant.weight_block(qtype), gen)
+    assert torch.equal(blocks.pack().dequantize(), reference_dequantize(blocks))
+
+
 def _random_q6_k(n: int, k: int, seed: int) -> tuple[QuantTensor, np.ndarray]:
     """Q6_K rows of any quants and int8 scales, with positive fp16 d, and gguf-py's dequantization of them."""
     rng = np.random.default_rng(seed)

@@ -21,9 +21,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include <sys/mman.h>
@@ -265,10 +267,12 @@ bool supported() {
 #endif
 }
 
-// A packed weight's memory, zeroed. Decode streams every weight once a step: with 2 MB pages where the OS gives
-// them (transparent huge pages in "madvise" mode), the stream takes no TLB miss every 4 KB. All linear layers of
-// the 1B Llama (Q4_K_M, one row, 2-core AMD EPYC): 29.3 ms a pass against 31.7 ms on 4 KB pages.
-torch::Tensor zeroed_groups(int64_t groups, int64_t row) {
+// A packed weight's memory. Decode streams every weight once a step: with 2 MB pages where the OS gives them
+// (transparent huge pages in "madvise" mode), the stream takes no TLB miss every 4 KB. All linear layers of the 1B
+// Llama (Q4_K_M, one row, 2-core AMD EPYC): 29.3 ms a pass against 31.7 ms on 4 KB pages. The packers write every
+// byte of a group whose 16 channels exist, so only a padded last group (N not a multiple of 16) is zeroed here:
+// its missing channels then have zero scales and quants. The pages are first touched by the packing threads.
+torch::Tensor packed_groups(int64_t groups, int64_t row, int64_t N) {
   auto out = torch::empty({groups, row}, torch::dtype(torch::kUInt8));
   uint8_t* p = out.data_ptr<uint8_t>();
   const int64_t bytes = groups * row;
@@ -278,8 +282,27 @@ torch::Tensor zeroed_groups(int64_t groups, int64_t row) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
   if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
 #endif
-  std::memset(p, 0, bytes);
+  if (N % G != 0) std::memset(p + (groups - 1) * row, 0, row);
   return out;
+}
+
+// fn(g0, g1) over [0, n) channel groups on plain threads. Packing runs under the loader, which keeps one OpenMP
+// thread (runtime/threads.py: an OpenMP team made there would outlive the load and slow the engine's); the
+// repacking is pure memory shuffling, so it takes every core without OpenMP (1B Llama, Q4_K_M: see
+// docs/benchmarks.md).
+template <typename F>
+void split_groups(int64_t n, F fn) {
+  const int64_t cores = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  const int64_t parts = std::min<int64_t>({cores, 8, (n + 63) / 64});  // a thread for 64 groups at least
+  if (parts <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunk = (n + parts - 1) / parts;
+  std::vector<std::thread> threads;
+  for (int64_t p = 1; p < parts; ++p) threads.emplace_back(fn, p * chunk, std::min(n, (p + 1) * chunk));
+  fn(int64_t{0}, std::min(n, chunk));
+  for (auto& t : threads) t.join();
 }
 
 // ggml rows of 256-weight super-blocks [N, K / 256 * in_bytes] -> groups of out_bytes per super-block and
@@ -288,10 +311,10 @@ template <typename F>
 torch::Tensor pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out_bytes, F fill) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
   TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * in_bytes, "quant_packed: K and K-quant block bytes disagree");
-  auto out = zeroed_groups(groups, ns * G * out_bytes);
+  auto out = packed_groups(groups, ns * G * out_bytes, N);
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  split_groups(groups, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int c = 0; c < G && g * G + c < N; ++c)
         for (int64_t s = 0; s < ns; ++s) fill(dst + g * out.size(1), c, s, src + ((g * G + c) * ns + s) * in_bytes);
@@ -310,24 +333,27 @@ torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
   TORCH_CHECK(K % QK == 0 && w.size(1) == nb * bs, "quant_packed: K and block bytes disagree");
-  auto out = zeroed_groups(groups, nb * G * bs);  // padding channels: zero scales
+  auto out = packed_groups(groups, nb * G * bs, N);  // padding channels: zero scales
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  const int64_t row_stride = out.size(1);
+  split_groups(groups, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const Row row(dst + g * out.size(1), type, nb);
+      const Row row(dst + g * row_stride, type, nb);
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* q = const_cast<uint8_t*>(row.quants(b));
+        uint8_t* scales = const_cast<uint8_t*>(row.scales(b));
+        uint8_t* offsets = type == Q4_1 ? const_cast<uint8_t*>(row.offsets(b)) : nullptr;
         for (int c = 0; c < G && g * G + c < N; ++c) {
           const uint8_t* blk = src + ((g * G + c) * nb + b) * bs;
-          std::memcpy(const_cast<uint8_t*>(row.scales(b)) + 2 * c, blk, 2);
-          if (type == Q4_1) std::memcpy(const_cast<uint8_t*>(row.offsets(b)) + 2 * c, blk + 2, 2);
+          std::memcpy(scales + 2 * c, blk, 2);
+          if (offsets != nullptr) std::memcpy(offsets + 2 * c, blk + 2, 2);
           const uint8_t* qs = blk + hb;
-          if (type == Q8_0) {
-            for (int k = 0; k < QK; ++k) q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(qs[k] ^ 0x80);
+          if (type == Q8_0) {  // 4 weights a word, each flipped to unsigned
+            for (int j = 0; j < QK / 4; ++j) store_u32(q + 64 * j + 4 * c, load_u32(qs + 4 * j) ^ 0x80808080u);
           } else {
             // ggml's qs[i] holds q[i] low and q[i + 16] high: the pairing of the packed bytes too.
-            for (int k = 0; k < QK / 2; ++k) q[64 * (k / 4) + 4 * c + k % 4] = qs[k];
+            for (int j = 0; j < QK / 8; ++j) std::memcpy(q + 64 * j + 4 * c, qs + 4 * j, 4);
           }
         }
       }

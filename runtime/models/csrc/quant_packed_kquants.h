@@ -60,39 +60,55 @@ void unpack_channel_q4k(const Q4KRow& row, int64_t b, int c, float* out) {
   }
 }
 
-// One channel's Q6_K super-block into a group row (see Q6Row).
+// Four bytes at p, as one word (the packers move 4 bytes at a time: a packed run holds 4 consecutive weights of a
+// channel; byte order is the memory's either way, so this is portable).
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+constexpr uint32_t LOW4 = 0x0F0F0F0Fu, LOW2 = 0x03030303u;
+
+// One channel's Q6_K super-block into a group row (see Q6Row). Four weights per word operation: nibbles and top
+// bits are per byte, and every shift below stays within its byte once masked.
 void fill_q6(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
   const Q6Row row(group);
   const uint8_t *ql = blk, *qh = blk + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
   // ggml's order: per half of 128 weights, weight 32 t + l (t < 4, l < 32) has its nibble in ql[l + 32 (t & 1)]
-  // (the high one for t >= 2) and its top bits at 2 t of qh[l].
-  uint8_t q[256];
+  // (the high one for t >= 2) and its top bits at 2 t of qh[l]. q: the 6-bit levels in weight order.
+  alignas(16) uint8_t q[256];
   for (int h = 0; h < 2; ++h)
     for (int t = 0; t < 4; ++t)
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t b = ql[64 * h + l + 32 * (t & 1)];
-        const int top = (qh[32 * h + l] >> (2 * t)) & 3;
-        q[128 * h + 32 * t + l] = static_cast<uint8_t>((t >= 2 ? b >> 4 : b & 15) | (top << 4));
+      for (int l = 0; l < 32; l += 4) {
+        const uint32_t b = load_u32(ql + 64 * h + l + 32 * (t & 1));
+        const uint32_t nib = t >= 2 ? (b >> 4) & LOW4 : b & LOW4;
+        const uint32_t top = (load_u32(qh + 32 * h + l) >> (2 * t)) & LOW2;
+        store_u32(q + 128 * h + 32 * t + l, nib | (top << 4));
       }
+  const uint8_t* base = row.base(s * 8);
   for (int bi = 0; bi < 8; ++bi) {
-    const int64_t b = s * 8 + bi;
-    uint8_t* nib = const_cast<uint8_t*>(row.nibbles(b));
-    uint8_t* tp = const_cast<uint8_t*>(row.tops(b));
+    uint8_t* nib = const_cast<uint8_t*>(base + bi * 256);
+    uint8_t* tp = const_cast<uint8_t*>(base + 2048 + bi * 128);
     const uint8_t* qb = q + 32 * bi;
-    for (int k = 0; k < 16; ++k) {
-      nib[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>((qb[k] & 15) | ((qb[k + 16] & 15) << 4));
-      tp[4 * c + k % 4] |= static_cast<uint8_t>((qb[k] >> 4) << (2 * (k / 4)));
-      tp[64 + 4 * c + k % 4] |= static_cast<uint8_t>((qb[k + 16] >> 4) << (2 * (k / 4)));
+    uint32_t tops_lo = 0, tops_hi = 0;  // stored whole: the group's memory is not zeroed (packed_groups)
+    for (int j = 0; j < 4; ++j) {  // weights 4 j .. 4 j + 3 and 16 + 4 j .. 16 + 4 j + 3
+      const uint32_t x = load_u32(qb + 4 * j), y = load_u32(qb + 16 + 4 * j);
+      store_u32(nib + 64 * j + 4 * c, (x & LOW4) | ((y & LOW4) << 4));
+      tops_lo |= ((x >> 4) & LOW2) << (2 * j);
+      tops_hi |= ((y >> 4) & LOW2) << (2 * j);
     }
-    int8_t* scs = const_cast<int8_t*>(row.scales(b));
+    store_u32(tp + 4 * c, tops_lo);
+    store_u32(tp + 64 + 4 * c, tops_hi);
+    int8_t* scs = reinterpret_cast<int8_t*>(const_cast<uint8_t*>(base + 3072 + bi * 32));
     scs[c] = sc[2 * bi];
     scs[16 + c] = sc[2 * bi + 1];
   }
-  std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk + 208, 2);
+  std::memcpy(const_cast<uint8_t*>(base + 3328) + 2 * c, blk + 208, 2);
 }
 
-// One channel's Q4_K super-block into a group row (see Q4KRow).
+// One channel's Q4_K super-block into a group row (see Q4KRow), four weights per word operation.
 void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
   const Q4KRow row(group);
   const uint8_t *sc = blk + 4, *qs = blk + 16;
@@ -103,12 +119,14 @@ void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
     // ggml's get_scale_min_k4: 6-bit scale and minimum of sub-block j.
     const_cast<uint8_t*>(row.scales(b))[c] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
     const_cast<uint8_t*>(row.mins(b))[c] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
-    // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...].
+    // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...]; packed
+    // byte k holds weight k low and weight k + 16 high.
     const uint8_t* run = qs + 32 * (j / 2);
     uint8_t* q = const_cast<uint8_t*>(row.quants(b));
-    for (int k = 0; k < 16; ++k) {
-      const uint8_t lo = j % 2 ? run[k] >> 4 : run[k] & 15, hi = j % 2 ? run[k + 16] >> 4 : run[k + 16] & 15;
-      q[64 * (k / 4) + 4 * c + k % 4] = static_cast<uint8_t>(lo | (hi << 4));
+    const int shift = j % 2 ? 4 : 0;
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t lo = (load_u32(run + 4 * w) >> shift) & LOW4, hi = (load_u32(run + 16 + 4 * w) >> shift) & LOW4;
+      store_u32(q + 64 * w + 4 * c, lo | (hi << 4));
     }
   }
 }
