@@ -91,18 +91,23 @@ def decode_attention_op() -> DecodeAttention | None:
     module = load_kernels()
     if module is None:
         return None
-    op = module.decode_attention.decode_attention
-    # On one thread: a multi-threaded op here would give the caller's thread an OpenMP team of its own, and
-    # with more OpenMP threads than cores libgomp stops letting the engine thread's workers spin between ops
-    # (see ``runtime.threads.one_intra_op_thread``).
+    return _checked(module.decode_attention.decode_attention, _self_check, "decode-attention", "PyTorch ops")
+
+
+def _checked(op: Callable, check: Callable[[Callable], bool], what: str, fallback: str) -> Callable | None:
+    """``op`` if it passes ``check`` here, else ``None`` (logged once, naming ``what`` and the ``fallback``).
+
+    On one thread: a multi-threaded op here would give the caller's thread an OpenMP team of its own, and with
+    more OpenMP threads than cores libgomp stops letting the engine thread's workers spin between ops (see
+    ``runtime.threads.one_intra_op_thread``)."""
     try:
         with one_intra_op_thread(), torch.inference_mode():
-            ok = _self_check(op)
+            ok = check(op)
     except RuntimeError as exc:
-        logger.warning("CPU decode-attention kernel failed its self-check (%s); using PyTorch ops", exc)
+        logger.warning("CPU %s kernel failed its self-check (%s); using %s", what, exc, fallback)
         return None
     if not ok:
-        logger.warning("CPU decode-attention kernel disagrees with PyTorch on this machine; using PyTorch ops")
+        logger.warning("CPU %s kernel disagrees with PyTorch on this machine; using %s", what, fallback)
         return None
     return op
 
@@ -169,14 +174,4 @@ def extend_attention_op() -> ExtendAttention | None:
     module = load_kernels()
     if module is None or not module.extend_attention.available():
         return None
-    op = module.extend_attention.extend_attention
-    try:
-        with one_intra_op_thread(), torch.inference_mode():
-            ok = _self_check_extend(op)
-    except RuntimeError as exc:
-        logger.warning("CPU prefill-attention kernel failed its self-check (%s); using SDPA", exc)
-        return None
-    if not ok:
-        logger.warning("CPU prefill-attention kernel disagrees with PyTorch on this machine; using SDPA")
-        return None
-    return op
+    return _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
