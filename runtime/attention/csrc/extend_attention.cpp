@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "../../csrc/simd.h"
@@ -229,8 +230,10 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
   const uint16_t* vp = kp + Hkv * N * D;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   // Packed keys and values: [Hkv, packed_keys, D] bfloat16 each (as words: packed_keys * D / 2 per head).
-  std::vector<uint32_t> kt(static_cast<size_t>(Hkv * packed_keys * D / 2));
-  std::vector<uint32_t> vt(kt.size());
+  // Not zeroed: pack_block writes every word, padding included.
+  const size_t words = static_cast<size_t>(Hkv * packed_keys * D / 2);
+  std::unique_ptr<uint32_t[]> kt_buf(new uint32_t[words]), vt_buf(new uint32_t[words]);
+  uint32_t *kt = kt_buf.get(), *vt = vt_buf.get();
   std::vector<std::array<int64_t, 3>> packs;  // (seq, head, key block)
   std::vector<std::array<int64_t, 4>> tasks;  // (seq, head, query block, first query head of the slice)
   for (int64_t b = 0; b < static_cast<int64_t>(seqs.size()); ++b) {
@@ -252,8 +255,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       const auto [b, h, kb] = packs[t];
       const Seq& sq = seqs[b];
       const int64_t base = (h * packed_keys + sq.pack_off + kb * KB) * D / 2;
-      pack_block(kp + h * N * D, vp + h * N * D, slots + sq.slot_off, kb * KB, sq.kv_len, D, kt.data() + base,
-                 vt.data() + base);
+      pack_block(kp + h * N * D, vp + h * N * D, slots + sq.slot_off, kb * KB, sq.kv_len, D, kt + base,
+                 vt + base);
     }
   });
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
@@ -261,8 +264,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       const auto [b, h, qb, g0] = tasks[t];
       const Seq& sq = seqs[b];
       const int64_t base = (h * packed_keys + sq.pack_off) * D / 2;
-      attend_block<ND>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt.data() + base,
-                       vt.data() + base, op);
+      attend_block<ND>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt + base,
+                       vt + base, op);
     }
   });
 }
