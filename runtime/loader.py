@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
 from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
-from radixserve.runtime.weights import iter_weights, lean_tokenizer_applies, load_hf_config, load_tokenizer
+from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
 
 if TYPE_CHECKING:
     from radixserve.runtime.distributed.shard import ShardCuts
@@ -201,20 +200,7 @@ def load_model(
     args = ModelArgs.from_hf_config(hf_config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
-    # The engine process's Rust-only tokenizer loads on a thread of its own meanwhile (~0.2 s of parsing
-    # tokenizer.json, a tenth of a cached start); its errors surface below, after the weights. Anything that would
-    # import transformers loads here first: a module imported by two threads at once can be seen half-initialized.
-    tok_folder = tokenizer_folder(config, folder)
-    pending_tokenizer: Future[Any]
-    if lean_tokenizer and lean_tokenizer_applies(tok_folder):
-        import tokenizers  # noqa: F401 - imported on this thread, before the other one uses it
-
-        tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-load")
-        pending_tokenizer = tokenizer_pool.submit(load_tokenizer, tok_folder, lean=True)
-        tokenizer_pool.shutdown(wait=False)
-    else:
-        pending_tokenizer = Future()
-        pending_tokenizer.set_result(load_tokenizer(tok_folder, lean=lean_tokenizer))
+    tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
     load_start = time.perf_counter()
     with one_intra_op_thread():
         model = build_model(args, dtype, device)
@@ -235,7 +221,6 @@ def load_model(
                 packer.finish()
         prepack(model, keep_plain=config.keep_plain_weights)  # what is left: a tied head, --keep-plain-weights
     load_seconds = time.perf_counter() - load_start
-    tokenizer = pending_tokenizer.result()
     logger.info(
         "loaded %s (%s, %d layers) on %s in %.1fs: %s",
         config.model,

@@ -215,11 +215,6 @@ def load_tokenizer(folder: Path, *, lean: bool = False) -> PreTrainedTokenizerBa
     return tokenizer
 
 
-def lean_tokenizer_applies(folder: Path) -> bool:
-    """Whether ``load_tokenizer(folder, lean=True)`` gives a ``LeanTokenizer`` (no transformers import)."""
-    return _generic_fast_tokenizer(Path(folder))
-
-
 def _transformers_major() -> int:
     """transformers' major version, from the ``Version:`` line of its installed metadata without importing it
     (``importlib.metadata.version`` parses the whole file as e-mail headers: 0.11 s of every engine start)."""
