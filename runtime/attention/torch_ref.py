@@ -68,9 +68,9 @@ class _StepState:
     # Per extend: (slot table, lengths) when its queries run as decode rows of the kernel (``SHORT_EXTEND``).
     short_extends: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # per window: rows' tails
-    # The chunks the bfloat16 prefill kernel attends, in one call: (slots, seqs) as ``ExtendAttention`` takes them,
-    # and whether that is every chunk of the step; None when no chunk goes to it.
-    kernel_extends: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+    # The chunks the bfloat16 prefill kernel attends, in one call: (slots, seqs) as ``ExtendAttention`` takes them
+    # (a row of seqs per chunk); None when no chunk goes to it.
+    kernel_extends: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _query_rows(kv_slots: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +209,7 @@ class TorchReferenceBackend(AttentionBackend):
         in_kernel = None
         if chunk_rows:
             table = torch.tensor(chunk_rows, dtype=torch.int64)
-            in_kernel = (torch.cat(chunk_slots), table, len(chunk_rows) == len(meta.extends))
+            in_kernel = (torch.cat(chunk_slots), table)
         return _StepState(decode, tuple(extends), short_extends=tuple(short), kernel_extends=in_kernel)
 
     def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -299,7 +299,9 @@ class TorchReferenceBackend(AttentionBackend):
         usable = options.softcap is None and kernel is not None and cpu_kernels.applies(kv.device, kv.dtype)
         as_rows = usable and self.deterministic  # (``prepare`` made every chunk's query rows)
         in_kernel = state.kernel_extends
-        if usable and meta.extends and in_kernel is not None and in_kernel[2]:  # all chunks on the prefill kernel
+        every_chunk = in_kernel is not None and in_kernel[1].shape[0] == len(meta.extends)
+        if usable and meta.extends and every_chunk:  # all of the step's chunks on the prefill kernel
+            assert in_kernel is not None
             assert self._extend_kernel is not None
             d = q.shape[-1]
             scale = options.scale if options.scale is not None else d**-0.5

@@ -195,9 +195,7 @@ class Linear(_Quantizable, nn.Linear):
                 return None
             n, k = self.qshape
             direct = self._direct = (op.linear, data, quant.QTYPES[self.qtype], k, n)
-        if x.dtype == torch.bfloat16 and x.shape[0] >= quant.BF16_UNPACK_FROM_ROWS and quant.amx():
-            return None
-        return direct
+        return None if quant.packed_unpacks_for_gemm(x) else direct
 
     def _eligible(self) -> bool:
         w = self.weight

@@ -325,6 +325,11 @@ def _unpacks_for_gemm(w: QuantTensor, x2: torch.Tensor) -> bool:
     return not w.packed or amx()
 
 
+def packed_unpacks_for_gemm(x2: torch.Tensor) -> bool:
+    """``_unpacks_for_gemm`` for a packed weight, which needs nothing else of it (``Linear``'s direct call)."""
+    return x2.dtype == torch.bfloat16 and x2.shape[0] >= BF16_UNPACK_FROM_ROWS and amx()
+
+
 def _dequantized_rows(w: QuantTensor, n0: int, n1: int) -> torch.Tensor:
     """Channels ``[n0, n1)`` of ``w`` as float32 (``n0`` a multiple of ``GROUP`` for a packed weight)."""
     n, k = w.shape
