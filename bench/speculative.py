@@ -1,20 +1,23 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, on the built-in model, in process.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, in process.
 
 Three workloads, written here: ``rag`` (documents whose answers quote them: "repeat the paragraph that mentions
 X", "copy the record of X"), ``free`` (nothing to copy: stories, explanations) and the same ``rag`` prompts at 16
-concurrent users. For each, one engine with ``--speculative-algorithm ngram`` and one without, run one after the
-other in rounds (the median of the rounds is reported), greedy, ``max_new_tokens`` fixed. Prints decode tok/s per
-engine, the ratio, the acceptance rate and tokens per verification, and whether the outputs were identical.
+concurrent users. For each, one engine with ``--speculative-algorithm ngram`` (or ``draft``) and one without, run
+one after the other in rounds (the median of the rounds is reported), greedy, ``max_new_tokens`` fixed. Prints
+decode tok/s per engine, the ratio, the acceptance rate and tokens per verification, and whether the outputs were
+identical.
 
     python -m bench.speculative                        # dtype auto (bfloat16 where the CPU has native bf16)
     python -m bench.speculative --dtype float32 --rounds 3
     python -m bench.speculative --quantization none     # plain bfloat16 weights instead of the GGUF's blocks
     python -m bench.speculative --identity              # greedy identity only: 32 prompts x 128 tokens, float32
     python -m bench.speculative --identity --deterministic   # ... with --enable-deterministic-inference
+    python -m bench.speculative --quantization none --algorithm draft --draft-model smollm2-135m-instruct
+        # plain bfloat16 weights, drafted by the GGUF's Q4_1 blocks of the same model
 
 ``--identity`` checks exactness instead of speed: 32 prompts (24 RAG, 8 free text) x ``--max-new-tokens``, greedy,
-radix cache on, all at once and one at a time, and 8 of them under a JSON schema; every output of the ngram engine
-must equal the plain engine's (``--dtype float32`` unless given).
+radix cache on, all at once and one at a time, and 8 of them under a JSON schema; every output of the speculative
+engine must equal the plain engine's (``--dtype float32`` unless given).
 """
 
 from __future__ import annotations
@@ -108,13 +111,20 @@ IDENTITY_SCHEMA = {
 }
 
 
+def _speculative(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(speculative_algorithm=args.algorithm, speculative_num_draft_tokens=args.draft_tokens)
+    if args.algorithm == "draft":
+        kw.update(speculative_draft_model=args.draft_model, speculative_draft_quantization=args.draft_quantization)
+    return kw
+
+
 def identity(args: argparse.Namespace, common: dict[str, Any]) -> None:
-    """Greedy outputs of the ngram engine against the plain one (see the module doc); prints one line per mode."""
+    """Greedy outputs of the speculative engine against the plain one (see the module doc); one line per mode."""
     from radixserve.constrained import ConstraintSpec
 
     engines = {
         "plain": Engine(**common),
-        "ngram": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens),
+        "spec": Engine(**common, **_speculative(args)),
     }
     try:
         plain = engines["plain"]
@@ -132,12 +142,12 @@ def identity(args: argparse.Namespace, common: dict[str, Any]) -> None:
                     outs[label] = [o["output_ids"] for o in engine.generate(input_ids=batch, sampling_params=p)]
                 else:
                     outs[label] = [engine.generate(input_ids=q, sampling_params=p)["output_ids"] for q in batch]
-            same = sum(a == b for a, b in zip(outs["plain"], outs["ngram"]))
-            tokens = sum(len(o) for o in outs["ngram"])
+            same = sum(a == b for a, b in zip(outs["plain"], outs["spec"]))
+            tokens = sum(len(o) for o in outs["spec"])
             print(f"{name}: {same}/{len(batch)} identical ({tokens} tokens)", flush=True)
-        stats = engines["ngram"].server_info()["cache_stats"]
+        stats = engines["spec"].server_info()["cache_stats"]
         print(
-            f"ngram engine: {stats['spec_steps']} verifications, {stats['spec_accepted_tokens']} of "
+            f"{args.algorithm} engine: {stats['spec_steps']} verifications, {stats['spec_accepted_tokens']} of "
             f"{stats['spec_draft_tokens']} draft tokens accepted"
         )
     finally:
@@ -155,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=3)
+    parser.add_argument("--algorithm", default="ngram", choices=("ngram", "draft"))
+    parser.add_argument("--draft-model", default="", help="draft: the draft model (as --model)")
+    parser.add_argument("--draft-quantization", default="auto", help="draft: its weight format (auto: a GGUF's blocks)")
     parser.add_argument("--identity", action="store_true", help="check greedy identity instead of timing")
     parser.add_argument(
         "--deterministic", action="store_true", help="both engines with --enable-deterministic-inference"
@@ -174,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     engines = {
         "plain": Engine(**common),
-        "ngram": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens),
+        "spec": Engine(**common, **_speculative(args)),
     }
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     plain = engines["plain"]
@@ -186,19 +199,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     try:
         for name, prompts, concurrent in workloads:
-            rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+            rates: dict[str, list[float]] = {"plain": [], "spec": []}
             outputs: dict[str, list] = {}
-            before = engines["ngram"].server_info()["cache_stats"]
+            before = engines["spec"].server_info()["cache_stats"]
             for _ in range(args.rounds):
                 for label, engine in engines.items():
                     rate, outs = _run(engine, prompts, params, concurrent)
                     rates[label].append(rate)
                     outputs[label] = outs
-            after = engines["ngram"].server_info()["cache_stats"]
+            after = engines["spec"].server_info()["cache_stats"]
             drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
             steps = after["spec_steps"] - before["spec_steps"]
-            p, s = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+            p, s = statistics.median(rates["plain"]), statistics.median(rates["spec"])
             rows.append(
                 [
                     name,
@@ -207,14 +220,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{s / p:.2f}x",
                     f"{100 * accepted / drafts:.0f}%" if drafts else "-",
                     f"{(accepted + steps) / steps:.2f}" if steps else "-",
-                    "yes" if outputs["plain"] == outputs["ngram"] else "NO",
+                    "yes" if outputs["plain"] == outputs["spec"] else "NO",
                 ]
             )
             print(" | ".join(rows[-1]), flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()
-    headers = ["workload", "plain tok/s", "ngram tok/s", "ratio", "accepted", "tokens/verify", "same output"]
+    headers = ["workload", "plain tok/s", f"{args.algorithm} tok/s", "ratio", "accepted", "tokens/verify"]
+    headers.append("same output")
     print()
     print(format_table(headers, rows))
 

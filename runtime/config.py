@@ -94,8 +94,20 @@ class EngineConfig:
     speculative_algorithm: str = _opt(
         "",
         "Speculative decoding: ngram drafts tokens by prompt lookup (what followed the latest earlier occurrence "
-        "of the sequence's last tokens) and verifies them in the batch; empty: off.",
-        ("", "ngram"),
+        "of the sequence's last tokens), draft by a smaller model with the same tokenizer "
+        "(--speculative-draft-model); the target verifies the drafts in the batch. Empty: off.",
+        ("", "ngram", "draft"),
+    )
+    speculative_draft_model: str = _opt(
+        "",
+        "draft: the draft model (a folder, .gguf file or model id, as --model), served beside the target in its dtype "
+        "with a KV pool of its own.",
+    )
+    speculative_draft_quantization: str = _opt(
+        "auto",
+        "draft: the draft model's weight format, as --quantization (auto: a GGUF's blocks as they are), so that a "
+        "quantized copy of the target can draft for it.",
+        ("auto", "none", "int8", "int4"),
     )
     speculative_num_draft_tokens: int = _opt(
         3, "Most draft tokens a request proposes per step (3: a verification is 4 rows, one pass of the block kernels)."
@@ -157,8 +169,19 @@ class EngineConfig:
             raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
         if self.max_context_len < 0:
             raise ValueError("--max-context-len must be >= 0")
-        if self.speculative_algorithm not in ("", "ngram"):
-            raise ValueError(f"--speculative-algorithm must be ngram (or empty), got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm not in ("", "ngram", "draft"):
+            raise ValueError(
+                f"--speculative-algorithm must be ngram or draft (or empty), got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_draft_quantization not in ("auto", "none", "int8", "int4"):
+            q = self.speculative_draft_quantization
+            raise ValueError(f"--speculative-draft-quantization must be auto, none, int8 or int4, got {q!r}")
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model):
+            raise ValueError(
+                "--speculative-algorithm draft needs --speculative-draft-model PATH"
+                if self.speculative_draft_model == ""
+                else "--speculative-draft-model is used only with --speculative-algorithm draft; add that flag"
+            )
         if not 1 <= self.speculative_num_draft_tokens <= 32:
             k = self.speculative_num_draft_tokens
             raise ValueError(f"--speculative-num-draft-tokens must be in [1, 32], got {k}")

@@ -26,6 +26,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention import attention_backend
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.distributed import TensorParallelModel, finish_start, start_leader
+from radixserve.runtime.draft_model import load_draft_model
 from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
 from radixserve.runtime.engine_core import EngineCore
 from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
@@ -74,14 +75,20 @@ class Engine(EngineAPI):
         self.vocab_size = args.vocab_size
         kv_heads = args.num_kv_heads // config.tp  # each rank holds its KV heads' shard of every slot
         per_token = KVPool.bytes_per_token(args.num_layers, kv_heads, args.head_dim, loaded.dtype)
+        draft = load_draft_model(config, loaded, lean_tokenizer) if config.speculative_algorithm == "draft" else None
+        # The draft model's pool has as many slots as the target's: its weights and per-token bytes join the sizing.
+        draft_weights = module_bytes(draft.model) if draft is not None else 0
+        draft_per_token = draft.kv_bytes_per_token() if draft is not None else 0
         sizing = None
         if config.max_total_tokens:
             num_slots = config.max_total_tokens
         else:
             # On CPU every rank's weights and KV shard live in the same RAM; a GPU rank has its own memory.
             sharing = config.tp if loaded.device.type == "cpu" else 1
-            weights = module_bytes(loaded.model) * sharing
-            sizing = size_pool(config.mem_fraction_static, loaded.device, weights, per_token * sharing)
+            weights = module_bytes(loaded.model) * sharing + draft_weights
+            sizing = size_pool(
+                config.mem_fraction_static, loaded.device, weights, per_token * sharing + draft_per_token
+            )
             num_slots = sizing.slots
         pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
         self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
@@ -112,8 +119,16 @@ class Engine(EngineAPI):
                 "KV tier: %s, up to %.1f GiB, chunks of %d tokens (%.1f MiB each)",
                 tier.dir, config.hicache_size, config.hicache_chunk_tokens, tier.chunk_bytes / 2**20,
             )  # fmt: skip
+        drafter = draft.drafter(config, num_slots, args.vocab_size) if draft is not None else None
         self.core = EngineCore(
-            config, runner, loaded.tokenizer, loaded.eos_token_ids, args.vocab_size, self.max_context_len, tier
+            config,
+            runner,
+            loaded.tokenizer,
+            loaded.eos_token_ids,
+            args.vocab_size,
+            self.max_context_len,
+            tier,
+            drafter,
         )
         self.grammar = GrammarSupport(
             loaded.tokenizer,
@@ -222,6 +237,7 @@ class Engine(EngineAPI):
                 "kv_cache": core.kv_usage(),
                 "cache_stats": {**core.stats.as_dict(), "evicted_tokens": core.cache.evicted_tokens},
                 "kv_tier": core.cache.tier.info() if core.cache.tier is not None else None,
+                "speculative": core.drafter.info() if core.drafter is not None else None,
                 "grammar": {"queue": len(core.grammar_queue), **self.grammar.info()},
                 "max_context_len": self.max_context_len,
                 "device": str(self.device),

@@ -21,7 +21,7 @@ from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
-from radixserve.runtime.speculative import NgramDrafter, can_speculate
+from radixserve.runtime.speculative import Drafter, NgramDrafter, can_speculate
 from radixserve.runtime.stats import EngineStats
 from radixserve.runtime.validation import validate_request
 
@@ -38,6 +38,7 @@ class EngineCore:
         vocab_size: int,
         max_context_len: int,
         tier: KVTier | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -55,10 +56,12 @@ class EngineCore:
         # Constrained requests whose grammar is still compiling; they join the scheduler when it is ready.
         self.grammar_queue: list[Req] = []
         self.jump_forward = not config.disable_jump_forward
-        self.drafter = None
-        if config.speculative_algorithm:
+        # The draft model's drafter is built by the ``Engine`` (it loads a model); the n-gram one needs nothing.
+        self.drafter = drafter
+        if drafter is None and config.speculative_algorithm == "ngram":
             k, lo, hi = config.speculative_num_draft_tokens, config.speculative_ngram_min, config.speculative_ngram_max
             self.drafter = NgramDrafter(k, min_n=lo, max_n=hi)
+        self._to_propose: list[Req] = []  # requests that took a token this step: they may draft for the next
 
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
@@ -166,6 +169,9 @@ class EngineCore:
                 out = self._finish(req)
             if out is not None:
                 outputs.append(out)
+        if self._to_propose:
+            self._propose(self._to_propose)
+            self._to_propose = []
         self.stats.retractions = self.scheduler.num_retractions
         return outputs
 
@@ -196,7 +202,8 @@ class EngineCore:
             self._jump_forward(req, now)
         if req.finished:
             return self._finish(req)
-        self._propose(req)
+        if self.drafter is not None:
+            self._to_propose.append(req)
         return self._delta(req)
 
     def _apply_draft(self, i: int, chunk: ScheduledChunk, result: StepResult, now: float) -> ReqOutput | None:
@@ -221,16 +228,26 @@ class EngineCore:
             self._jump_forward(req, now)
         if req.finished:
             return self._finish(req)
-        self._propose(req)
+        self._to_propose.append(req)
         return self._delta(req)
 
-    def _propose(self, req: Req) -> None:
-        """Draft the next step's tokens for a request that may speculate (``runtime.speculative``)."""
-        if self.drafter is None or not can_speculate(req):
+    def _propose(self, reqs: list[Req]) -> None:
+        """Draft the next step's tokens for the requests that may speculate (``runtime.speculative``), in one
+        call to the drafter. Greedy requests do not draft while more requests run than a step gains from (the
+        scheduler also drops their drafts then, as the count of decoding requests may differ)."""
+        assert self.drafter is not None
+        busy = len(self.scheduler.running) > self.config.speculative_max_batch
+        wants: list[tuple[Req, int]] = []
+        for req in reqs:
+            if req.finished or not can_speculate(req) or (busy and req.params.greedy):
+                continue
+            limit = min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.total) - 1
+            if limit > 0:
+                wants.append((req, limit))
+        if not wants:
             return
-        limit = min(req.params.max_new_tokens - len(req.output_ids), self.max_context_len - req.total) - 1
-        draft = self.drafter.propose(req, limit) if limit > 0 else []
-        req.draft_ids = grammar_cut(req.grammar, draft) if draft and req.grammar is not None else draft
+        for (req, _), draft in zip(wants, self.drafter.propose_batch(wants), strict=True):
+            req.draft_ids = grammar_cut(req.grammar, draft) if draft and req.grammar is not None else draft
 
     def _jump_forward(self, req: Req, now: float) -> None:
         """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the
@@ -314,6 +331,8 @@ class EngineCore:
     def _finish(self, req: Req) -> ReqOutput:
         req.finish_time = time.monotonic()
         self.scheduler.remove(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
         self._by_rid.pop(req.rid, None)
         if req.finish_reason != FinishReason.ABORT:
             self.stats.requests_finished += 1

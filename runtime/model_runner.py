@@ -11,18 +11,13 @@ from typing import Protocol
 import torch
 
 from radixserve.runtime import envs
-from radixserve.runtime.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    ExtendSeq,
-    ForwardContext,
-    PrefixGroup,
-)
+from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.request import ErrorCode, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
+from radixserve.runtime.step_layout import StepRow, lay_out
 from radixserve.runtime.threads import StepThreads
 
 
@@ -54,61 +49,11 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def build_metadata(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        extends: list[ExtendSeq] = []
+        rows = []
         for chunk in plan.chunks:
-            req, s = chunk.req, chunk.start
-            e = s + chunk.num_tokens  # past any draft tokens, whose slots follow in req.slots
-            input_ids.extend(chunk.tokens)
-            positions.extend(range(s, e))
-            out_slots.extend(req.slots[s:e])
-            if chunk.is_decode:
-                decode_tables.append(req.slots[:e])
-            else:
-                kv = self._tensor(req.slots[:e]) if s > 0 else None
-                extends.append(ExtendSeq(q_start=len(input_ids) - (e - s), q_len=e - s, kv_len=e, kv_slots=kv))
-        decode_slots = decode_mask = None
-        groups: tuple[PrefixGroup, ...] = ()
-        if decode_tables:
-            decode_tables, groups = self._prefix_groups(plan, decode_tables)
-            lens = [len(t) for t in decode_tables]
-            width = max(lens)
-            pad = decode_tables[0][0]
-            decode_slots = self._tensor([t + [pad] * (width - len(t)) for t in decode_tables])
-            lens_t = self._tensor(lens)
-            decode_mask = (torch.arange(width, device=self.device)[None, :] < lens_t[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            out_slots=self._tensor(out_slots),
-            num_decode=len(decode_tables),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            extends=tuple(extends),
-            prefix_groups=groups,
-        )
-        return self._tensor(input_ids), self._tensor(positions), meta
-
-    def _prefix_groups(
-        self, plan: BatchPlan, tables: list[list[int]]
-    ) -> tuple[list[list[int]], tuple[PrefixGroup, ...]]:
-        """Cut the prefix that the scheduler found shared (``ScheduledChunk.shared_prefix``: the same radix-tree
-        node, so the same slots) out of the decode rows' tables; the backend attends to it once per group."""
-        by_group: dict[int, list[int]] = {}
-        for row, chunk in enumerate(plan.chunks[: len(tables)]):
-            if chunk.shared_prefix is not None:
-                by_group.setdefault(chunk.shared_prefix[0], []).append(row)
-        out = list(tables)
-        groups: list[PrefixGroup] = []
-        for rows in by_group.values():
-            if len(rows) < 2:  # its partners chose a deeper group, or the plan was split
-                continue
-            shared = plan.chunks[rows[0]].shared_prefix[1]  # type: ignore[index]
-            for i in rows:
-                out[i] = tables[i][shared:]
-            groups.append(PrefixGroup(rows=self._tensor(rows), prefix_slots=self._tensor(tables[rows[0]][:shared])))
-        return out, tuple(groups)
+            e = chunk.start + chunk.num_tokens  # past any draft tokens, whose slots follow in req.slots
+            rows.append(StepRow(chunk.tokens, chunk.start, chunk.req.slots[:e], chunk.is_decode))
+        return lay_out(rows, self.device, [c.shared_prefix for c in plan.chunks])
 
     def run(self, plan: BatchPlan) -> StepResult:
         """One forward pass over the plan; samples for every chunk with ``sample`` set, under the grammar of

@@ -63,9 +63,12 @@ def soak_server(
     tiny_model_dir: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerThread, Engine]]:
     engine_class = EngineProcess if request.param == "engine-process" else Engine
-    # The third run adds n-gram speculation (drafts get slots and give back the rejected ones) and the disk tier
-    # (evicted prefixes are saved and loaded back) to the same traffic.
+    # The engine process drafts with a draft model (the tiny model itself, with a pool of its own that runs as
+    # short as the target's). The third run adds n-gram speculation (drafts get slots and give back the rejected
+    # ones) and the disk tier (evicted prefixes are saved and loaded back) to the same traffic.
     extra: dict[str, Any] = {}
+    if request.param == "engine-process":
+        extra = {"speculative_algorithm": "draft", "speculative_draft_model": str(tiny_model_dir)}
     if request.param == "speculation-and-kv-tier":
         extra = {"speculative_algorithm": "ngram", "enable_hierarchical_cache": True, "hicache_chunk_tokens": 16}
         extra["hicache_dir"] = str(tmp_path_factory.mktemp("kv-tier"))
@@ -340,6 +343,10 @@ def test_soak(soak_server: tuple[ServerThread, Engine]) -> None:
     tier = info.get("kv_tier")
     if engine.config.speculative_algorithm:
         assert stats["spec_steps"] > 0 and stats["spec_accepted_tokens"] > 0, "drafts were verified and accepted"
+    if engine.config.speculative_algorithm == "draft":
+        spec = info["speculative"]
+        assert spec["draft_kv_free_tokens"] == spec["draft_kv_total_tokens"] and spec["draft_kv_requests"] == 0
+    if engine.config.enable_hierarchical_cache:
         assert tier is not None and tier["chunks_written"] > 0 and tier["files_skipped"] == 0
     kinds = Counter(o.kind for o in outcomes)
     print(
