@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import types
 import typing
@@ -223,9 +224,13 @@ def _is_host_port(text: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # evaluates every annotation of the class: once per class, not per field
+
+
 def _field_type(cls: type, f: dataclasses.Field) -> type:
-    hints = typing.get_type_hints(cls)
-    tp = hints[f.name]
+    tp = _type_hints(cls)[f.name]
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,8 +37,9 @@ from typing import Any
 from radixserve.runtime import ipc
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
+from radixserve.runtime.engine_spawn import Spawned, spawn_engine_process
 from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
-from radixserve.runtime.logs import configure_logging, current_format
+from radixserve.runtime.logs import configure_logging
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
@@ -60,24 +60,25 @@ class EngineProcess(EngineAPI):
     boundary); ``server_info``, ``flush_cache`` and ``check_kv`` are there instead.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, wait: bool = True, **overrides: Any) -> None:
-        """Start the engine process. With ``wait=False`` this returns at once, the model loading in the background
-        (``radixserve serve`` starts its HTTP server meanwhile); call ``wait_ready`` before anything else."""
-        config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
-        self.config = config
-        # A fresh interpreter on one end of a socket pair (not multiprocessing's spawn, which re-imports the
-        # caller's __main__ and so breaks scripts without a main guard), with the caller's import path.
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.runtime.engine_process", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            env=env,
-        )
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self._conn.send(ipc.Start(config, level, current_format()))
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        wait: bool = True,
+        spawned: Spawned | None = None,
+        **overrides: Any,
+    ) -> None:
+        """Start the engine process (or take over one ``spawn_engine_process`` started). With ``wait=False`` this
+        returns at once, the model loading in the background (``radixserve serve`` starts its HTTP server
+        meanwhile); call ``wait_ready`` before anything else."""
+        if spawned is None:
+            config = replace(config, **overrides) if config is not None else EngineConfig(**overrides)
+            spawned = spawn_engine_process(config)
+        elif config is not None or overrides:
+            raise ValueError("pass either a spawned engine process or its config, not both")
+        self.config = spawned.config
+        self._proc = spawned.proc
+        self._conn = spawned.conn
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sinks: dict[str, Sink] = {}

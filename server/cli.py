@@ -13,7 +13,6 @@ server stops and the process exits with status 1.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import signal
@@ -71,10 +70,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logger.info("engine config: %s", json.dumps(asdict(engine_config)))
     logger.info("server config: %s", json.dumps(server_config.redacted()))
     if server_config.engine_process:
+        from radixserve.runtime.engine_spawn import spawn_engine_process
+
+        # Started first, before this process imports its server stack: the engine's `import torch` and model load
+        # run while this process imports the server and starts listening.
+        spawned = spawn_engine_process(engine_config)
         from radixserve.runtime.engine_process import EngineProcess
 
-        # Started first, so that the model loads while this process imports the server and starts listening.
-        factory = EngineProcess(engine_config, wait=False).wait_ready
+        factory = EngineProcess(spawned=spawned, wait=False).wait_ready
     else:
         from radixserve.runtime.engine import Engine
 
@@ -100,6 +103,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     # 0, and also stops a server that got SIGTERM before uvicorn took the signal over.
     signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
 
+    import asyncio  # here, not at the top: after the engine process is started
+
     async def run() -> int:
         watcher = asyncio.ensure_future(_stop_on_load_failure(server, app.state.server))
         try:
@@ -115,6 +120,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
 
 
 async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicorn.Server, ServerState
+    import asyncio
+
     while not state.load_error:
         await asyncio.sleep(LOAD_CHECK_S)
     server.should_exit = True

@@ -148,11 +148,13 @@ def _self_check_extend(op: ExtendAttention) -> bool:
     does), so it agrees to a few bfloat16 steps."""
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads, dim, window in ((9, 3, 64, 0), (8, 8, 128, 0), (12, 2, 96, 24), (10, 1, 256, 0)):
-        chunks = ((37, 150), (1, 70), (80, 80), (17, 90))  # (q_len, kv_len)
-        kv = torch.randn(2, kv_heads, 600, dim, generator=gen).bfloat16()
+        # (q_len, kv_len): several blocks of 16 queries and of 64 keys, a lone query, a fresh chunk; small, as the
+        # check runs at every start.
+        chunks = ((37, 100), (1, 70), (20, 20), (17, 66))
+        kv = torch.randn(2, kv_heads, 300, dim, generator=gen).bfloat16()
         t = 3 + sum(q_len for q_len, _ in chunks)  # 3 rows before the chunks: the decode rows' place
         q = torch.randn(t, heads, dim, generator=gen).bfloat16()
-        slots = torch.cat([torch.randperm(600, generator=gen)[:kv_len] for _, kv_len in chunks])
+        slots = torch.cat([torch.randperm(300, generator=gen)[:kv_len] for _, kv_len in chunks])
         rows, q_start, offset = [], 3, 0
         for q_len, kv_len in chunks:
             rows.append([q_start, q_len, kv_len, offset])
