@@ -73,6 +73,12 @@ class EngineConfig:
         aliases=("--enable-deterministic-inference",),
     )
     device: str = _opt("auto", "cpu, cuda, cuda:N, or auto (cuda when available).")
+    attention_backend: str = _opt(
+        "auto",
+        "Attention kernels: triton (paged Triton kernels, CUDA), torch (the PyTorch reference, with the compiled "
+        "CPU kernels on CPU); auto: triton on CUDA where it imports, torch elsewhere.",
+        ("auto", "torch", "triton"),
+    )
     max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 sizes it with --mem-fraction-static.")
     mem_fraction_static: float = _opt(
         0.0,
@@ -152,6 +158,8 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.max_total_tokens < 0:

@@ -231,7 +231,9 @@ class DraftModel:
     def drafter(self, config: EngineConfig, num_slots: int, target_vocab: int) -> DraftModelDrafter:
         args, device, dtype = self.loaded.args, self.loaded.device, self.loaded.dtype
         pool = KVPool(num_slots, args.num_layers, args.num_kv_heads, args.head_dim, dtype, device)
-        backend = attention_backend(config.deterministic_inference, device, dtype, args.attn_softcap)
+        backend = attention_backend(
+            config.deterministic_inference, device, dtype, args.attn_softcap, config.attention_backend
+        )
         logger.info(
             "draft model %s: KV pool of %d tokens (%.1f MiB), up to %d draft tokens a step",
             config.speculative_draft_model, num_slots, pool.nbytes / 2**20, config.speculative_num_draft_tokens,

@@ -106,7 +106,9 @@ class Engine(EngineAPI):
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
         model = self._tp if self._tp is not None else loaded.model
-        attention = attention_backend(config.deterministic_inference, loaded.device, loaded.dtype, args.attn_softcap)
+        attention = attention_backend(
+            config.deterministic_inference, loaded.device, loaded.dtype, args.attn_softcap, config.attention_backend
+        )
         runner = ModelRunner(model, pool, attention, sampler, loaded.device)
         tier = None
         if config.enable_hierarchical_cache:

@@ -437,10 +437,24 @@ class TorchReferenceBackend(AttentionBackend):
 
 
 def attention_backend(
-    deterministic: bool, device: torch.device, dtype: torch.dtype, softcap: float | None
-) -> TorchReferenceBackend:
-    """The backend an engine (or a tensor-parallel rank) attends with: the compiled CPU kernels where they apply.
-    ``ValueError`` where ``deterministic`` (``--enable-deterministic-inference``) cannot hold."""
+    deterministic: bool, device: torch.device, dtype: torch.dtype, softcap: float | None, kind: str = "auto"
+) -> AttentionBackend:
+    """The backend an engine (or a tensor-parallel rank) attends with (``--attention-backend``): on CUDA the Triton
+    kernels (``triton_attention``) where Triton imports, else this reference with the compiled CPU kernels where
+    they apply. ``ValueError`` where ``deterministic`` (``--enable-deterministic-inference``) or the asked-for
+    kind cannot hold."""
+    if kind not in ("auto", "torch", "triton"):
+        raise ValueError(f"--attention-backend must be auto, torch or triton, got {kind!r}")
+    if kind == "triton" or (kind == "auto" and device.type == "cuda" and not deterministic):
+        if device.type != "cuda":
+            raise ValueError("--attention-backend triton runs on CUDA; on the CPU use auto or torch")
+        try:
+            from radixserve.runtime.attention.triton_attention import TritonBackend
+        except ImportError:
+            if kind == "triton":
+                raise ValueError("--attention-backend triton needs Triton: pip install triton") from None
+        else:
+            return TritonBackend()
     kernels = cpu_kernels.applies(device, dtype)
     if deterministic and not kernels:
         raise ValueError(

@@ -208,7 +208,9 @@ def worker_main(config: EngineConfig, layout: RankLayout, init_addr: str, parent
     _, num_slots = broadcast_command(None, groups.control)
     kv_heads = args.num_kv_heads // layout.world
     pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, device)
-    attention = attention_backend(config.deterministic_inference, device, loaded.dtype, args.attn_softcap)
+    attention = attention_backend(
+        config.deterministic_inference, device, loaded.dtype, args.attn_softcap, config.attention_backend
+    )
     dist.barrier(group=groups.control)
     with torch.inference_mode():
         while True:
