@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from radixserve.constrained import ConstraintSpec
+from radixserve.runtime.engine import Engine
 from radixserve.runtime.request import Req
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.runtime.speculative import PAUSE_AFTER, NgramDrafter
@@ -86,6 +87,20 @@ def test_greedy_output_is_identical_batched_and_alone(tiny_model_dir: Path, radi
         spec.shutdown()
 
 
+def abort_midway(eng: Engine) -> None:
+    """Stream every prompt and disconnect after its first delta: each request is aborted, drafts and all."""
+
+    async def run() -> None:
+        params = SamplingParams(max_new_tokens=100, temperature=0.0)
+        streams = [eng.stream(eng.tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS]
+        for s in streams:
+            async for _ in s:
+                break
+            await s.aclose()
+
+    asyncio.run(run())
+
+
 def test_speculation_under_retraction_and_aborts_keeps_every_slot(tiny_model_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     roomy = make_engine(tiny_model_dir)
@@ -97,16 +112,7 @@ def test_speculation_under_retraction_and_aborts_keeps_every_slot(tiny_model_dir
     try:
         assert _ids(tight.generate(PROMPTS, params)) == expected
         assert tight.server_info()["cache_stats"]["retractions"] > 0
-
-        async def abort_midway() -> None:
-            params = SamplingParams(max_new_tokens=100, temperature=0.0)
-            streams = [tight.stream(tight.tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS]
-            for s in streams:
-                async for _ in s:
-                    break
-                await s.aclose()  # a client disconnect: the request is aborted, drafts and all
-
-        asyncio.run(abort_midway())
+        abort_midway(tight)
         assert_all_free(tight)
     finally:
         tight.shutdown()

@@ -10,7 +10,6 @@ distribution; the target's and the draft's KV are all accounted for afterwards.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,7 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.test_engine import assert_all_free, make_engine
-from tests.test_speculative import PROMPTS, _chi_square_p
+from tests.test_speculative import PROMPTS, _chi_square_p, abort_midway
 from tests.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -105,16 +104,7 @@ def test_retraction_aborts_short_draft_pool_and_chunked_catch_up(models: dict[st
         stats = eng.server_info()["cache_stats"]
         assert stats["retractions"] > 0 and stats["spec_accepted_tokens"] > 0
         assert eng.server_info()["speculative"]["draft_kv_dropped"] > 0
-
-        async def abort_midway() -> None:
-            params = SamplingParams(max_new_tokens=100, temperature=0.0)
-            streams = [eng.stream(eng.tokenizer.encode(p, add_special_tokens=False), params) for p in PROMPTS]
-            for s in streams:
-                async for _ in s:
-                    break
-                await s.aclose()  # a client disconnect: the request is aborted, its draft KV freed
-
-        asyncio.run(abort_midway())
+        abort_midway(eng)  # client disconnects: the requests are aborted, their draft KV freed
         assert_all_free(eng)
         _assert_drafts_free(eng)
     finally:
