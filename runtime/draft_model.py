@@ -14,6 +14,9 @@ request it keeps the draft KV of a prefix of the request's tokens (``DraftKV``).
 3. **Drafting.** K - 1 batched one-token passes give the rest. The drafts' own KV stays, to be kept or rolled
    back on the next call.
 
+A constrained request's drafts are the draft model's argmax among the tokens its grammar allows after the drafts
+before them (its matcher advances through them and is rolled back after), so they never leave the grammar.
+
 Drafts are the draft model's argmax. That is a deterministic proposal, so the target's verification
 (``Sampler.verify``: accept a draft with the probability the target gives it) is exact whatever the request's
 sampling parameters, and seeds reproduce. This is the "target-only" verification SGLang uses for its tree drafts.
@@ -42,6 +45,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention import attention_backend
 from radixserve.runtime.attention.base import AttentionBackend, ForwardContext
 from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.grammar import grammar_mask
 from radixserve.runtime.kv_pool import KVPool, SlotAllocator
 from radixserve.runtime.loader import LoadedModel, load_model
 from radixserve.runtime.request import Req
@@ -69,6 +73,7 @@ class _Row:
     start: int  # position of the first token computed in the catch-up pass
     spare: list[int]  # free slots for the K/V of drafts 1 .. k-1, taken as they are computed
     drafts: list[int] = field(default_factory=list)
+    advanced: int = 0  # draft tokens the request's grammar took while drafting (rolled back after)
 
 
 class DraftModelDrafter(Drafter):
@@ -81,6 +86,7 @@ class DraftModelDrafter(Drafter):
         *,
         max_draft: int,
         vocab_size: int,
+        grammar_vocab: int,
         max_positions: int,
         chunk_tokens: int,
     ) -> None:
@@ -89,6 +95,7 @@ class DraftModelDrafter(Drafter):
         self.allocator = SlotAllocator(pool.num_slots, strict=envs.check_integrity())
         self.kv: OrderedDict[str, DraftKV] = OrderedDict()  # least recently drafting first
         self.vocab_size = vocab_size  # the smaller of the two models' vocabularies: drafts stay inside both
+        self.grammar_vocab = grammar_vocab  # the target's: the size of its grammars' masks
         self.max_positions = max_positions
         self.chunk_tokens = chunk_tokens
         self.dropped = 0  # draft KV of idle requests dropped to make room
@@ -179,6 +186,17 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _draft(self, rows: list[_Row]) -> None:
+        try:
+            self._draft_passes(rows)
+        finally:
+            for r in rows:
+                if r.advanced:  # the grammar only ever keeps accepted tokens: the drafts come off again
+                    r.req.grammar.rollback(r.advanced)
+                    r.advanced = 0
+                self.allocator.free(r.spare)  # a row cut short by its grammar leaves some unused
+                r.spare = []
+
+    def _draft_passes(self, rows: list[_Row]) -> None:
         # Catch-up: one-token rows over a cached prefix are decode rows, which the layout lists first.
         rows.sort(key=lambda r: not (r.start > 0 and len(r.kv.tokens) - r.start == 1))
         step = [StepRow(r.kv.tokens[r.start :], r.start, r.kv.slots, r.start > 0 and len(r.kv.tokens) - r.start == 1)
@@ -209,9 +227,25 @@ class DraftModelDrafter(Drafter):
             return self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
 
     def _take_argmax(self, rows: list[_Row], active: list[int], hidden: torch.Tensor) -> None:
-        logits = self.model.compute_logits(hidden)[:, : self.vocab_size]
-        for i, token in zip(active, logits.argmax(dim=-1).tolist(), strict=True):
-            rows[i].drafts.append(token)
+        """Each active row's next draft: the draft model's argmax among the tokens its request's grammar allows
+        after the drafts so far (the grammar advances through them). A row whose grammar takes no token or is
+        complete drafts no further."""
+        logits = self.model.compute_logits(hidden)[:, : self.vocab_size].float()
+        reqs = [rows[i].req for i in active]
+        allowed = grammar_mask(reqs, self.grammar_vocab, self.device)
+        if allowed is not None:
+            logits.masked_fill_(~allowed[:, : self.vocab_size], float("-inf"))
+        for j, (i, token) in enumerate(zip(active, logits.argmax(dim=-1).tolist(), strict=True)):
+            r = rows[i]
+            grammar = r.req.grammar
+            if grammar is not None:
+                if not bool(allowed[j, token]) or grammar.error() is not None or not grammar.accept_token(token):
+                    r.k = len(r.drafts)
+                    continue
+                r.advanced += 1
+                if grammar.is_terminated():
+                    r.k = len(r.drafts) + 1
+            r.drafts.append(token)
 
 
 @dataclass
@@ -245,6 +279,7 @@ class DraftModel:
             device,
             max_draft=config.speculative_num_draft_tokens,
             vocab_size=min(target_vocab, args.vocab_size),
+            grammar_vocab=target_vocab,
             max_positions=args.max_position_embeddings,
             chunk_tokens=config.chunked_prefill_size,
         )

@@ -129,6 +129,23 @@ def test_constrained_greedy_output_is_identical(models: dict[str, Path]) -> None
         eng.shutdown()
 
 
+def test_drafts_follow_the_grammar(models: dict[str, Path]) -> None:
+    """The draft model picks its argmax among the tokens the request's grammar allows after the drafts before it:
+    under a regex that admits one string (jump-forward off, so every token is drafted), even an unrelated draft
+    model proposes exactly that string, and every draft is accepted."""
+    literal = "the quick brown fox jumps over the lazy dog"
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, constraint=ConstraintSpec("regex", literal))
+    eng = _draft_engine(models, "other", disable_jump_forward=True)
+    try:
+        assert [r["text"] for r in eng.generate(PROMPTS, params)] == [literal] * len(PROMPTS)
+        stats = eng.server_info()["cache_stats"]
+        assert stats["spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0, stats
+        assert_all_free(eng)
+        _assert_drafts_free(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_sampled_tokens_keep_the_target_distribution(models: dict[str, Path]) -> None:
     """Drafts are the draft model's argmax, verified by the target alone: tokens 2 to 4 of many seeded samples
     must have plain sampling's frequencies. Fixed seeds: deterministic."""
