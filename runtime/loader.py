@@ -15,13 +15,13 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
-from radixserve.runtime.gptq import GptqSpec, iter_gptq_weights
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.models.families import renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
+from radixserve.runtime.quantized_checkpoint import QuantSpec, iter_quantized_weights
 from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
 from radixserve.runtime.weights import iter_weights, load_hf_config, load_tokenizer
@@ -129,10 +129,10 @@ def model_weights(
         if config.quantization != "none" and not keep:
             logger.info("GGUF blocks are served on one CPU process only: dequantizing %s", gguf.name)
         weights = iter_gguf_weights(gguf, hf_config, keep_quantized=keep)
-    elif (gptq := GptqSpec.from_hf_config(hf_config)) is not None:
+    elif (prequantized := QuantSpec.from_hf_config(hf_config)) is not None:
         # Read whole (the parts of a layer are not the model's tensors): a rank's cut, if any, follows the load.
         raw = iter_weights(folder, ahead=READ_AHEAD_BYTES // config.tp)
-        weights = iter_gptq_weights(raw, gptq, blocks=blocks_ok and config.quantization == "auto")
+        weights = iter_quantized_weights(raw, prequantized, blocks=blocks_ok and config.quantization == "auto")
     else:
         dense = config.quantization in ("auto", "none")
         # The ranks of one machine read at once: each keeps its share of the read-ahead.

@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (``quantization_config.quant_method == "gptq"``), loaded onto the block kernels.
+"""Pre-quantized checkpoints, GPTQ and AWQ (``quantization_config.quant_method``), loaded onto the block kernels.
 
 A GPTQ linear layer ``P`` is stored as ``P.qweight`` (int32 ``[K * bits / 32, N]``: ``32 / bits`` levels of
 consecutive inputs per word, lowest bits first), ``P.qzeros`` (int32 ``[groups, N * bits / 32]``: the zero point of
@@ -6,6 +6,11 @@ each group and output, packed along the outputs), ``P.scales`` (fp16 ``[groups, 
 ``[K]``: the group of each input). The weight is ``scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])``. In the
 ``gptq`` checkpoint format (AutoGPTQ's, what the hub holds) the stored zero is one less than the real one;
 ``gptq_v2`` stores it as it is.
+
+An AWQ layer (AutoAWQ's GEMM layout, ``version: "gemm"``, 4 bits) has no ``g_idx`` (its groups are always runs of
+``group_size`` inputs) and packs along the outputs instead: ``qweight`` is int32 ``[K, N / 8]`` and ``qzeros``
+``[groups, N / 8]``, the 8 levels of a word in the order 0, 2, 4, 6, 1, 3, 5, 7 of their output channels. Its
+zeros are stored as they are. The weight is the same formula.
 
 Where the groups are runs of consecutive inputs (``g_idx[k] == k // group_size``, with a group size a multiple
 of 32), a layer maps onto ggml's blocks of 32 with the same arithmetic:
@@ -34,33 +39,46 @@ logger = logging.getLogger("radixserve.model")
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
+# AWQ's order of output channels within a packed word: level i of a word is channel AWQ_ORDER[i] of its 8.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+SERVED = "GPTQ (4 or 8 bits) and AWQ (4 bits, GEMM layout) safetensors checkpoints, GGUF files, and --quantization "
+
+
 @dataclass(frozen=True)
-class GptqSpec:
+class QuantSpec:
+    method: str  # "gptq" or "awq"
     bits: int
     group_size: int  # -1: one group over all inputs
     desc_act: bool
-    zero_offset: int  # added to the stored zeros: 1 in the "gptq" format, 0 in "gptq_v2"
+    zero_offset: int  # added to the stored zeros: 1 in GPTQ's "gptq" format, 0 in "gptq_v2" and AWQ
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> GptqSpec | None:
-        """The checkpoint's GPTQ settings; None for a checkpoint that is not quantized. Other quantization methods
-        are refused with the list of those served."""
+    def from_hf_config(cls, hf_config: Any) -> QuantSpec | None:
+        """The checkpoint's quantization settings; None for a checkpoint that is not quantized. Other methods and
+        layouts are refused with the list of those served."""
         qc = getattr(hf_config, "quantization_config", None)
         if not qc:
             return None
         method = str(qc.get("quant_method", "")).lower()
-        if method != "gptq":
-            raise ValueError(
-                f"checkpoint quantization {method or qc!r} is not supported; served: GPTQ (4 or 8 bits) "
-                "safetensors checkpoints, GGUF files, and --quantization int8/int4 of a float checkpoint"
-            )
+        served = SERVED + "int8/int4 of a float checkpoint"
         bits = int(qc.get("bits", 4))
+        group = int(qc.get("group_size", 128))
+        if method == "awq":
+            version = str(qc.get("version", "gemm")).lower()
+            if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+                raise ValueError(
+                    f"AWQ checkpoints of {bits} bits, version {version!r}, zero_point "
+                    f"{qc.get('zero_point', True)} are not supported; served: {served}"
+                )
+            return cls("awq", 4, group, False, 0)
+        if method != "gptq":
+            raise ValueError(f"checkpoint quantization {method or qc!r} is not supported; served: {served}")
         if bits not in (4, 8):
-            raise ValueError(f"GPTQ checkpoints of {bits} bits are not supported; served: 4 and 8 bits")
+            raise ValueError(f"GPTQ checkpoints of {bits} bits are not supported; served: {served}")
         fmt = str(qc.get("checkpoint_format", "gptq"))
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint format {fmt!r} is not supported; served: gptq, gptq_v2")
-        return cls(bits, int(qc.get("group_size", 128)), bool(qc.get("desc_act", False)), int(fmt == "gptq"))
+        return cls("gptq", bits, group, bool(qc.get("desc_act", False)), int(fmt == "gptq"))
 
 
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -74,8 +92,20 @@ def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return levels.reshape(words.shape[0], words.shape[1] * per).to(torch.int16)
 
 
-def _levels(parts: dict[str, torch.Tensor], spec: GptqSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _awq_columns(levels: torch.Tensor) -> torch.Tensor:
+    """Levels unpacked along the outputs in AWQ's word order -> in channel order."""
+    rows, cols = levels.shape
+    out = torch.empty_like(levels)
+    out.view(rows, cols // 8, 8)[:, :, list(AWQ_ORDER)] = levels.view(rows, cols // 8, 8)
+    return out
+
+
+def _levels(parts: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K], zeros [groups, N], scales [groups, N] float32), the zeros with the format's offset applied."""
+    if spec.method == "awq":
+        q = _awq_columns(_unpack(parts["qweight"].to(torch.int32), 4, 1)).t()
+        zeros = _awq_columns(_unpack(parts["qzeros"].to(torch.int32), 4, 1))
+        return q, zeros, parts["scales"].float()
     q = _unpack(parts["qweight"].to(torch.int32), spec.bits, 0).t()
     n = q.shape[0]
     zeros = _unpack(parts["qzeros"].to(torch.int32), spec.bits, 1)[:, :n]
@@ -83,7 +113,7 @@ def _levels(parts: dict[str, torch.Tensor], spec: GptqSpec) -> tuple[torch.Tenso
     return q, zeros, parts["scales"].float()
 
 
-def _group_index(parts: dict[str, torch.Tensor], spec: GptqSpec, k: int) -> torch.Tensor:
+def _group_index(parts: dict[str, torch.Tensor], spec: QuantSpec, k: int) -> torch.Tensor:
     g_idx = parts.get("g_idx")
     if g_idx is not None:
         return g_idx.long()
@@ -91,14 +121,14 @@ def _group_index(parts: dict[str, torch.Tensor], spec: GptqSpec, k: int) -> torc
     return torch.arange(k) // group
 
 
-def dequantize(parts: dict[str, torch.Tensor], spec: GptqSpec) -> torch.Tensor:
+def dequantize(parts: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The layer's float32 weight [N, K], exactly."""
     q, zeros, scales = _levels(parts, spec)
     g = _group_index(parts, spec, q.shape[1])
     return (q.float() - zeros[g].t().float()) * scales[g].t()
 
 
-def to_blocks(parts: dict[str, torch.Tensor], spec: GptqSpec) -> tuple[QuantTensor, str]:
+def to_blocks(parts: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[QuantTensor, str]:
     """The layer as ggml blocks of 32, and how: "exact", "offsets rounded" (Q4_1's fp16 offsets) or
     "re-quantized" (Q8_0 of the exact weight; see the module docstring)."""
     q, zeros, scales = _levels(parts, spec)
@@ -130,10 +160,10 @@ def _contiguous_groups(g: torch.Tensor) -> bool:
     return k % BLOCK == 0 and size % BLOCK == 0 and size > 0 and bool(torch.equal(g, torch.arange(k) // size))
 
 
-def iter_gptq_weights(
-    weights: Iterator[tuple[str, torch.Tensor]], spec: GptqSpec, blocks: bool
+def iter_quantized_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], spec: QuantSpec, blocks: bool
 ) -> Iterator[tuple[str, Any]]:
-    """The checkpoint's tensors with each GPTQ layer's parts replaced by its ``.weight``: blocks where ``blocks``
+    """The checkpoint's tensors with each quantized layer's parts replaced by its ``.weight``: blocks where ``blocks``
     (see the module docstring), else the exact float32 weight. A layer is complete once its ``qweight``,
     ``qzeros`` and ``scales`` are in, and its ``g_idx`` where the checkpoint is act-order."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -158,9 +188,9 @@ def iter_gptq_weights(
         yield f"{prefix}.weight", w
     incomplete = [p for p, parts in pending.items() if parts.keys() != {"g_idx"}]  # a late g_idx: groups known
     if incomplete:
-        raise ValueError(f"GPTQ layer {incomplete[0]} lacks some of qweight, qzeros, scales in the checkpoint")
+        raise ValueError(f"quantized layer {incomplete[0]} lacks some of qweight, qzeros, scales in the checkpoint")
     logger.info(
-        "GPTQ %d-bit checkpoint, group size %d%s: %s",
-        spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
+        "%s %d-bit checkpoint, group size %d%s: %s",
+        spec.method.upper(), spec.bits, spec.group_size, ", act-order" if spec.desc_act else "",
         ", ".join(f"{n} layers {kind}" for kind, n in how.items()),
     )  # fmt: skip

@@ -1,10 +1,12 @@
-"""GPTQ checkpoints (``runtime/gptq.py``) from a tiny random model, written here in AutoGPTQ's format.
+"""GPTQ and AWQ checkpoints (``runtime/quantized_checkpoint.py``) from a tiny random model, written here in
+AutoGPTQ's and AutoAWQ's formats.
 
-The writer below packs levels, zeros (stored one less in the ``gptq`` format) and scales as the format defines
-them, independently of the loader's unpacking. Each GPTQ folder has a float twin whose linear weights are the
-exact dequantization, so: served dense (``--quantization none``), a GPTQ checkpoint gives the twin's greedy tokens
-and logits; served as blocks, symmetric layers are ggml blocks holding the exact weights, asymmetric ones differ
-only by the fp16 rounding of their offsets, and act-order ones are re-quantized to Q8_0.
+The writer below packs levels, zeros (stored one less in GPTQ's ``gptq`` format) and scales as each format defines
+them (AWQ: along the outputs, in its word order), independently of the loader's unpacking. Each quantized folder
+has a float twin whose linear weights are the exact dequantization, so: served dense (``--quantization none``), a
+quantized checkpoint gives the twin's greedy tokens; served as blocks, symmetric layers are ggml blocks holding
+the exact weights, asymmetric ones differ only by the fp16 rounding of their offsets, and act-order ones are
+re-quantized to Q8_0.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixserve.runtime.gptq import GptqSpec, dequantize, to_blocks
 from radixserve.runtime.models.quant import reference_dequantize
+from radixserve.runtime.quantized_checkpoint import AWQ_ORDER, QuantSpec, dequantize, to_blocks
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.test_engine import make_engine
 from tests.tiny_model import make_tiny_model
@@ -39,8 +41,16 @@ def _pack(levels: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()  # the unsigned word's bits as int32
 
 
-def quantize_gptq(w: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool, gen: torch.Generator):
-    """(parts in the ``gptq`` format, the exact float weight they encode) for w [N, K]."""
+def _pack_awq(levels: torch.Tensor) -> torch.Tensor:
+    """[R, C] levels -> [R, C / 8] int32 words along C, word level i holding channel AWQ_ORDER[i] of its 8."""
+    r, c = levels.shape
+    return _pack(levels.reshape(r, c // 8, 8)[:, :, list(AWQ_ORDER)].reshape(r, c), 4, 1)
+
+
+def quantize_gptq(
+    w: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool, gen: torch.Generator, awq: bool = False
+):
+    """(parts in GPTQ's ``gptq`` format, or AWQ's, and the exact float weight they encode) for w [N, K]."""
     n, k = w.shape
     top = (1 << bits) - 1
     perm = torch.randperm(k, generator=gen) if act_order else torch.arange(k)
@@ -61,6 +71,8 @@ def quantize_gptq(w: torch.Tensor, bits: int, group: int, sym: bool, act_order: 
         scales[g], zeros[g] = scale.half().float(), zero
     q = (w / scales[g_idx].t() + zeros[g_idx].t()).round().clamp(0, top).to(torch.int64)  # [N, K]
     exact = (q - zeros[g_idx].t()).float() * scales[g_idx].t()
+    if awq:
+        return {"qweight": _pack_awq(q.t()), "qzeros": _pack_awq(zeros), "scales": scales.half()}, exact
     parts = {
         "qweight": _pack(q.t(), bits, 0),
         "qzeros": _pack((zeros - 1) & top, bits, 1),
@@ -70,8 +82,8 @@ def quantize_gptq(w: torch.Tensor, bits: int, group: int, sym: bool, act_order: 
     return parts, exact
 
 
-def write_gptq(tmp: Path, bits: int, group: int, sym: bool, act_order: bool) -> tuple[Path, Path]:
-    """A GPTQ folder and its float twin, from one tiny random model."""
+def write_gptq(tmp: Path, bits: int, group: int, sym: bool, act_order: bool, awq: bool = False) -> tuple[Path, Path]:
+    """A GPTQ (or AWQ) folder and its float twin, from one tiny random model."""
     base = make_tiny_model(tmp / "base", seed=0, tie=False)
     twin, gptq = tmp / "twin", tmp / "gptq"
     shutil.copytree(base, twin)
@@ -81,7 +93,7 @@ def write_gptq(tmp: Path, bits: int, group: int, sym: bool, act_order: bool) -> 
     float_w, gptq_w = {}, {}
     for name, w in weights.items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            parts, exact = quantize_gptq(w.float(), bits, group, sym, act_order, gen)
+            parts, exact = quantize_gptq(w.float(), bits, group, sym, act_order, gen, awq)
             float_w[name] = exact
             prefix = name.removesuffix(".weight")
             gptq_w.update({f"{prefix}.{p}": t for p, t in parts.items()})
@@ -90,27 +102,32 @@ def write_gptq(tmp: Path, bits: int, group: int, sym: bool, act_order: bool) -> 
     save_file(float_w, twin / "model.safetensors", metadata={"format": "pt"})
     save_file(gptq_w, gptq / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((gptq / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
-                                     "desc_act": act_order, "checkpoint_format": "gptq"}  # fmt: skip
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+        if awq
+        else {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
+              "checkpoint_format": "gptq"}
+    )  # fmt: skip
     (gptq / "config.json").write_text(json.dumps(config))
     return gptq, twin
 
 
-SPECS = {  # name: (bits, group, sym, act_order)
-    "4bit-sym": (4, 32, True, False),
-    "4bit-asym": (4, 64, False, False),
-    "8bit-sym": (8, 64, True, False),
-    "4bit-act-order": (4, 32, True, True),
+SPECS = {  # name: (bits, group, sym, act_order, awq)
+    "4bit-sym": (4, 32, True, False, False),
+    "4bit-asym": (4, 64, False, False, False),
+    "8bit-sym": (8, 64, True, False, False),
+    "4bit-act-order": (4, 32, True, True, False),
+    "awq": (4, 32, False, False, True),
 }
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_layers_map_onto_blocks(name: str) -> None:
-    bits, group, sym, act_order = SPECS[name]
+    bits, group, sym, act_order, awq = SPECS[name]
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(48, 128, generator=gen)
-    parts, exact = quantize_gptq(w, bits, group, sym, act_order, gen)
-    spec = GptqSpec(bits, group, act_order, zero_offset=1)
+    parts, exact = quantize_gptq(w, bits, group, sym, act_order, gen, awq)
+    spec = QuantSpec("awq", 4, group, False, 0) if awq else QuantSpec("gptq", bits, group, act_order, 1)
     assert torch.equal(dequantize(parts, spec), exact)  # the loader's unpacking agrees with the writer's packing
     blocks, how = to_blocks(parts, spec)
     got = reference_dequantize(blocks)
@@ -127,7 +144,7 @@ def test_layers_map_onto_blocks(name: str) -> None:
         torch.testing.assert_close(got, exact, rtol=0, atol=2e-3 * exact.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["4bit-asym", "8bit-sym", "4bit-act-order"])
+@pytest.mark.parametrize("name", ["4bit-asym", "8bit-sym", "4bit-act-order", "awq"])
 def test_dense_gptq_serves_as_its_float_twin(tmp_path: Path, name: str) -> None:
     gptq, twin = write_gptq(tmp_path, *SPECS[name])
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -144,7 +161,7 @@ def test_dense_gptq_serves_as_its_float_twin(tmp_path: Path, name: str) -> None:
 def test_blocks_hold_the_exact_weights_of_a_symmetric_checkpoint(tmp_path: Path) -> None:
     """Served as blocks (the default), a symmetric 4-bit checkpoint's layers are Q4_0 blocks whose weights are
     exactly its float twin's (re-quantizing the twin could not promise that), and the engine serves it."""
-    gptq, twin = write_gptq(tmp_path, 4, 32, True, False)
+    gptq, twin = write_gptq(tmp_path, 4, 32, True, False, False)
     expected = load_file(twin / "model.safetensors")
     eng = make_engine(gptq, dtype="float32")
     try:
@@ -161,9 +178,13 @@ def test_blocks_hold_the_exact_weights_of_a_symmetric_checkpoint(tmp_path: Path)
 
 
 def test_other_checkpoint_quantizations_are_refused(tmp_path: Path) -> None:
-    base = make_tiny_model(tmp_path / "awq", seed=0)
+    base = make_tiny_model(tmp_path / "other", seed=0)
     config = json.loads((base / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (base / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'awq' is not supported; served: GPTQ"):
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported; served: GPTQ"):
+        make_engine(base)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "version": "gemv"}
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="version 'gemv'"):
         make_engine(base)
