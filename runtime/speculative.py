@@ -27,6 +27,7 @@ bound by reading the weights (sampled rows keep their own rule only, so a seed's
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from radixserve.runtime.request import Req
@@ -53,7 +54,7 @@ class NgramState(SpecState):
     indexed: int = 0  # tokens [0, indexed) are in the index
 
 
-class Drafter:
+class Drafter(ABC):
     """What the engine core asks of a drafter: ``propose_batch`` drafts for every request that may speculate
     after a step, in one call (a draft model batches its forward passes over them); ``record`` adapts a request's
     draft length to how its drafts fared; ``release`` drops whatever the drafter holds for a finished request."""
@@ -76,9 +77,9 @@ class Drafter:
             return 0
         return max(0, min(limit, state.k))
 
+    @abstractmethod
     def propose_batch(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
         """Drafts for each ``(request, limit)``: at most ``limit`` tokens each (empty: nothing to propose)."""
-        raise NotImplementedError
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         """Adapt the request's draft length to how its last drafts fared."""
@@ -93,12 +94,13 @@ class Drafter:
             if accepted == proposed:
                 state.k = min(self.max_draft, state.k * 2)
 
+    @abstractmethod
     def release(self, req: Req) -> None:
         """The request finished (or was aborted): free what the drafter keeps for it."""
 
+    @abstractmethod
     def info(self) -> dict[str, int | str]:
         """What ``server_info`` shows of the drafter."""
-        return {"algorithm": "ngram", "max_draft_tokens": self.max_draft}
 
 
 class NgramDrafter(Drafter):
@@ -127,6 +129,12 @@ class NgramDrafter(Drafter):
 
     def propose_batch(self, wants: list[tuple[Req, int]]) -> list[list[int]]:
         return [self.propose(req, limit) for req, limit in wants]
+
+    def info(self) -> dict[str, int | str]:
+        return {"algorithm": "ngram", "max_draft_tokens": self.max_draft}
+
+    def release(self, req: Req) -> None:
+        return None  # the n-gram index lives on the request itself (``Req.spec``) and goes with it
 
     def propose(self, req: Req, limit: int) -> list[int]:
         """Up to ``min(limit, the request's draft length)`` draft tokens (empty: nothing matched, or paused)."""
