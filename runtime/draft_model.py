@@ -198,9 +198,11 @@ class DraftModelDrafter(Drafter):
 
     def _draft_passes(self, rows: list[_Row]) -> None:
         # Catch-up: one-token rows over a cached prefix are decode rows, which the layout lists first.
-        rows.sort(key=lambda r: not (r.start > 0 and len(r.kv.tokens) - r.start == 1))
         step = [StepRow(r.kv.tokens[r.start :], r.start, r.kv.slots, r.start > 0 and len(r.kv.tokens) - r.start == 1)
                 for r in rows]  # fmt: skip
+        order = sorted(range(len(rows)), key=lambda i: not step[i].decode)
+        rows[:] = [rows[i] for i in order]
+        step = [step[i] for i in order]
         last, at = [], 0
         for r in rows:
             at += len(r.kv.tokens) - r.start

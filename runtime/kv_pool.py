@@ -44,6 +44,13 @@ class KVPool:
         self.k = [kv[0].transpose(0, 1) for kv in self.kv]
         self.v = [kv[1].transpose(0, 1) for kv in self.kv]
 
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one step's keys and values ``[T, kv_heads, head_dim]`` of ``layer`` into ``slots`` [T]."""
+        if slots.numel():
+            kv = self.kv[layer]
+            kv[0].index_copy_(1, slots, k.transpose(0, 1))
+            kv[1].index_copy_(1, slots, v.transpose(0, 1))
+
     @property
     def nbytes(self) -> int:
         return self._kv.nbytes

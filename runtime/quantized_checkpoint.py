@@ -124,7 +124,10 @@ def _group_index(parts: dict[str, torch.Tensor], spec: QuantSpec, k: int) -> tor
 def dequantize(parts: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The layer's float32 weight [N, K], exactly."""
     q, zeros, scales = _levels(parts, spec)
-    g = _group_index(parts, spec, q.shape[1])
+    return _weight(q, zeros, scales, _group_index(parts, spec, q.shape[1]))
+
+
+def _weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return (q.float() - zeros[g].t().float()) * scales[g].t()
 
 
@@ -135,7 +138,7 @@ def to_blocks(parts: dict[str, torch.Tensor], spec: QuantSpec) -> tuple[QuantTen
     n, k = q.shape
     g = _group_index(parts, spec, k)
     if not _contiguous_groups(g) or (spec.bits == 8 and not bool((zeros == 128).all())):
-        return quantize_q8_0(dequantize(parts, spec)), "re-quantized"
+        return quantize_q8_0(_weight(q, zeros, scales, g)), "re-quantized"
     first = g[::BLOCK]  # each block's group
     d = scales[first].t().contiguous()  # [N, K / 32]
     z = zeros[first].t().contiguous()

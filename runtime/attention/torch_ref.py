@@ -237,10 +237,8 @@ class TorchReferenceBackend(AttentionBackend):
     ) -> torch.Tensor:
         if state is None:
             state = self.prepare(meta, pool)
+        pool.store(layer, meta.out_slots, k, v)
         kv = pool.kv[layer]  # [2, Hkv, N, D]
-        if meta.out_slots.numel():
-            kv[0].index_copy_(1, meta.out_slots, k.transpose(0, 1))
-            kv[1].index_copy_(1, meta.out_slots, v.transpose(0, 1))
         if not options.plain:
             return self._with_options(q, k, v, kv, meta, state, options)
         nd = meta.num_decode

@@ -244,9 +244,7 @@ class TritonBackend(AttentionBackend):
         options: AttnOptions = PLAIN,
     ) -> torch.Tensor:
         plan = state if state is not None else self.prepare(meta, pool)
+        pool.store(layer, meta.out_slots, k, v)
         kv = pool.kv[layer]
-        if meta.out_slots.numel():
-            kv[0].index_copy_(1, meta.out_slots, k.transpose(0, 1))
-            kv[1].index_copy_(1, meta.out_slots, v.transpose(0, 1))
         scale = options.scale if options.scale is not None else q.shape[-1] ** -0.5
         return paged_attention(q.contiguous(), kv, plan, scale, options.softcap or 0.0, options.window or 0)
