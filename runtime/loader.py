@@ -17,7 +17,7 @@ from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.models.families import renamer
-from radixserve.runtime.models.linear import LoadPacker, onednn_usable, prepack
+from radixserve.runtime.models.linear import LoadPacker, onednn_usable, plain_bf16_weights, prepack
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
@@ -137,7 +137,8 @@ def model_weights(
         dense = config.quantization in ("auto", "none")
         # The ranks of one machine read at once: each keeps its share of the read-ahead.
         ahead = READ_AHEAD_BYTES // config.tp
-        weights = iter_weights(folder, into=into if dense else None, select=select, ahead=ahead)
+        mapped = into.maps if dense and isinstance(into, MergedRows) else None
+        weights = iter_weights(folder, into=into if dense else None, select=select, ahead=ahead, mapped=mapped)
     target = {"int8": "Q8_0", "int4": "Q4_1"}.get(config.quantization)
     if target is None or not blocks_ok:
         if target is not None:
@@ -173,8 +174,12 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
         parts = (q.parts if isinstance(q, QuantParts) else (q,)) if q is not None else ()
         tensors = [("blocks " + p.qtype, p.data) for p in parts]
         tensors += [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
+        tensors += [(str(p.dtype).removeprefix("torch."), p) for p in getattr(module, "_plain_parts", ())]
         for kind, t in tensors:
-            # A meta weight was released for its packed copy, which has its bytes (and is this module's own).
+            # A meta weight was released for its packed copy, which has its bytes (and is this module's own), or
+            # stands for its parts (counted as themselves).
+            if t.device.type == "meta" and getattr(module, "_plain_parts", ()):
+                continue
             key = id(t) if t.device.type == "meta" else t.data_ptr()
             if key in seen:
                 continue
@@ -215,7 +220,9 @@ def load_model(
         into, staging = None, None
         if device.type == "cpu":
             staging = None if config.keep_plain_weights or not onednn_usable(dtype) else StagingPool()
-            into = MergedRows(model, dtype, rename, staging)
+            # Weights served as stored are mapped from the file, not read (safetensors_read).
+            mapping = dtype == torch.bfloat16 and plain_bf16_weights() and cuts is None
+            into = MergedRows(model, dtype, rename, staging, map_weights=mapping)
         weights = model_weights(folder, hf_config, config, device, into, select)
         cut = cuts.cut if cuts is not None else None
         packer = None if config.keep_plain_weights else LoadPacker(staging=staging)

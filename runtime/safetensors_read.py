@@ -1,10 +1,17 @@
-"""Reading a safetensors file one tensor at a time into ordinary (anonymous) memory, without a memory map.
+"""Reading a safetensors file one tensor at a time into ordinary (anonymous) memory, or mapped in place.
 
 ``safetensors.safe_open`` maps the file and hands out tensors that are views of the map: a parameter made from
 one keeps the whole file mapped, and every page a load touches stays in the process's resident set for as long
 as the map lives, including the pages of tensors that were copied elsewhere (merged projections, packed copies,
 casts). A 2 GB checkpoint then counts twice. Here each tensor is read with one ``readinto`` into a buffer of its
 own: the page cache still serves repeated loads, and what stays resident is exactly what the model keeps.
+
+A tensor the model serves exactly as stored (``mapped`` says which: the loader's bfloat16 weights where they are
+served plain, ``linear.plain_bf16_weights``) is instead a view of one private map of the file, its pages mapped
+up front (``MADV_POPULATE_READ``, which reads them off the disk if need be): no copy, no fresh memory to fault in
+(0.6 s a GiB on this machine's VMs), so the load takes what reading the file takes. Only those tensors' pages
+are touched, and the map lives as long as one of them does. A write into such a tensor would copy its page
+(the map is private): the file is never changed.
 
 The format: an 8-byte little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}``
 (offsets relative to the end of the header), then the data.
@@ -15,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -113,21 +121,76 @@ class Cut:
 # Which part of a tensor to read: ``select(name, dtype, shape)`` gives a ``Cut`` or None for the whole tensor.
 Select = Callable[[str, torch.dtype, list[int]], Cut | None]
 
+# Whether a (whole) tensor is to be a view of the file's map: ``mapped(name, dtype, shape)``.
+Mapped = Callable[[str, torch.dtype, list[int]], bool]
+
+# madvise: map a range's pages now, reading them in, without a fault per page (Linux 5.14+; older kernels refuse
+# it, and then the pages are touched one by one).
+MADV_POPULATE_READ = 22
+_PAGE = mmap.PAGESIZE
+
+
+class _FileMap:
+    """One file's private map, made at the first tensor that asks for it, as one uint8 tensor: every view shares
+    its storage (so the parts of a merged projection that lie side by side in the file are seen as one block)."""
+
+    def __init__(self, f: Any) -> None:
+        self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+        """The tensor at ``offset``, its pages mapped; None where its offset does not suit its dtype."""
+        if offset % dtype.itemsize or nbytes == 0:
+            return None
+        start = offset - offset % _PAGE
+        try:
+            self._map.madvise(MADV_POPULATE_READ, start, offset + nbytes - start)
+        except OSError:
+            self.bytes[offset : offset + nbytes : _PAGE].sum()  # one read a page faults each in
+        return self.bytes[offset : offset + nbytes].view(dtype).reshape(shape)
+
 
 def iter_file(
-    file: Path, into: Destination | None = None, select: Select | None = None
+    file: Path, into: Destination | None = None, select: Select | None = None, mapped: Mapped | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for each tensor of ``file`` in the order of their data in the file (one sequential
-    pass over the disk), each in a fresh CPU buffer of its stored dtype and shape, or in the one ``into`` gives;
-    only the part ``select`` names, where it names one."""
+    pass over the disk), each in a fresh CPU buffer of its stored dtype and shape, or in the one ``into`` gives,
+    or (a whole tensor ``mapped`` names) as a view of the file's map; only the part ``select`` names, where it
+    names one."""
     entries, start = read_header(file)
     order = sorted(entries, key=lambda n: (_offset(entries[n]), n))
     scratch: list[np.ndarray] = []  # column cuts' buffer, made at the first one
+    file_map: list[_FileMap] = []  # made at the first mapped tensor
     with open(file, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):  # a larger read-ahead window off the disk
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for name in order:
-            yield name, _read(f, file, name, entries[name], start, into, select, scratch)
+            view = _view(f, file_map, name, entries[name], start, select, mapped)
+            yield name, view if view is not None else _read(f, file, name, entries[name], start, into, select, scratch)
+
+
+def _view(
+    f: Any, file_map: list[_FileMap], name: str, entry: Any, start: int, select: Select | None, mapped: Mapped | None
+) -> torch.Tensor | None:
+    """The tensor as a view of the file's map, where ``mapped`` asks for it whole; else None (``_read`` reads it)."""
+    if mapped is None:
+        return None
+    try:
+        dtype = DTYPES[entry["dtype"]]
+        shape = [int(d) for d in entry["shape"]]
+        begin, end = (int(o) for o in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        return None  # _read names what is wrong
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes or (select is not None and select(name, dtype, shape) is not None):
+        return None
+    if not mapped(name, dtype, shape):
+        return None
+    if not file_map:
+        if os.fstat(f.fileno()).st_size < start + end:
+            return None  # truncated: _read says so
+        file_map.append(_FileMap(f))
+    return file_map[0].view(start + begin, nbytes, dtype, shape)
 
 
 def _offset(entry: Any) -> int:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from radixserve.runtime.safetensors_read import Destination, Select
+    from radixserve.runtime.safetensors_read import Destination, Mapped, Select
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -58,6 +58,7 @@ def iter_weights(
     into: Destination | None = None,
     select: Select | None = None,
     ahead: int | None = None,
+    mapped: Mapped | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, cpu_tensor)`` for every tensor of every ``*.safetensors`` file in ``folder``.
 
@@ -66,7 +67,8 @@ def iter_weights(
     the consumer's job); files are read in sorted order, tensors in each file's key order, each into memory of its
     own (``runtime.safetensors_read``: no memory map keeps the file resident), or where ``into`` says (the loader
     reads the parts of a merged projection into its rows), only the part ``select`` names (a tensor-parallel rank's
-    shard: the tensor comes out cut), up to ``ahead`` bytes ahead on a reader thread (default
+    shard: the tensor comes out cut), or, a whole tensor ``mapped`` names, as a view of the file's map, up to
+    ``ahead`` bytes ahead on a reader thread (default
     ``safetensors_read.READ_AHEAD_BYTES``). A tqdm bar ("Loading weights") on stderr counts tensors unless
     ``progress`` is False.
     """
@@ -85,7 +87,7 @@ def iter_weights(
         dynamic_ncols=True,
     ) as bar:
         for file in files:
-            for name, tensor in read_ahead(iter_file(file, into, select), ahead):
+            for name, tensor in read_ahead(iter_file(file, into, select, mapped), ahead):
                 if name in seen:
                     raise ValueError(
                         f"tensor {name!r} appears in both {seen[name].name} and {file.name}; "

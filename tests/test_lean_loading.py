@@ -1,6 +1,7 @@
 """Lean loading: tensors read into memory of their own (no file map kept resident), each linear weight held once
-after packing, a tied head left unpacked, and a tensor-parallel rank cutting its shard out of each tensor as it
-is read (including checkpoints that store q/k/v and gate/up fused, and the experts of MoE models)."""
+after packing, a tied head left unpacked, bfloat16 weights served plain mapped from the file instead of read, and
+a tensor-parallel rank cutting its shard out of each tensor as it is read (including checkpoints that store q/k/v
+and gate/up fused, and the experts of MoE models)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from radixserve.runtime import safetensors_read
+from radixserve.runtime import loader, safetensors_read
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.loader import load_model
-from radixserve.runtime.models.linear import Linear, onednn_usable
+from radixserve.runtime.models.linear import Linear, onednn_usable, plain_bf16_weights
 from radixserve.runtime.safetensors_read import Cut, iter_file, read_ahead
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model
@@ -140,6 +141,53 @@ def test_packing_releases_each_plain_weight_but_a_tied_head_stays_plain(tiny_mod
             for rows in (1, 4, 40):  # the released layers answer as the plain ones do
                 x = torch.randn(rows, a.in_features, generator=gen)
                 torch.testing.assert_close(a(x), b(x), msg=name)
+
+
+def _mapped_ranges(file: Path) -> list[tuple[int, int]]:
+    """The address ranges this process maps ``file`` at."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(file)):
+            lo, hi = line.split()[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights are packed for oneDNN on this CPU")
+def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bfloat16 checkpoint's linear and embedding weights are views of the file's map (no copy): gate/up, side
+    by side in the file, as one block; q/k/v, apart (k, o, q, v in name order), as parts. Greedy tokens are those
+    of the same weights read into memory."""
+    folder = make_tiny_model(tmp_path / "m", num_layers=2, tie=False, seed=5)
+    (file,) = folder.glob("*.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
+    model = load_model(EngineConfig(model=str(folder), device="cpu", dtype="bfloat16")).model
+    ranges = _mapped_ranges(file)
+    assert ranges, "the checkpoint is not mapped"
+
+    def in_map(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
+
+    layer = model.model.layers[0]
+    assert len(layer.self_attn.qkv_proj._plain_parts) == 3
+    assert all(in_map(p) for p in layer.self_attn.qkv_proj._plain_parts)
+    assert in_map(layer.mlp.gate_up_proj.weight) and not layer.mlp.gate_up_proj._plain_parts
+    assert in_map(layer.self_attn.o_proj.weight) and in_map(model.model.embed_tokens.weight)
+    assert not in_map(layer.input_layernorm.weight)  # read: a norm is not a matrix the kernels read in place
+    del model
+
+    prompts = ["def fibonacci(n):", "The quick brown fox", "1, 2, 3, 4,"]
+    outputs = []
+    for mapping in (True, False):
+        monkeypatch.setattr(loader, "plain_bf16_weights", lambda mapping=mapping: mapping)
+        engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", max_total_tokens=1024)
+        try:
+            outputs.append(_greedy(engine, prompts))
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1] and all(outputs[0])
 
 
 def _greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:

@@ -200,7 +200,7 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
 
 def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
     from radixserve.runtime.cpu_features import native_bf16
-    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable
+    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable, plain_bf16_weights
 
     torch.manual_seed(0)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16)
@@ -209,16 +209,43 @@ def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear
     with torch.inference_mode():
         packed = layer.pack()
         assert (packed is not None) == (bool(native_bf16()) and onednn_usable(torch.bfloat16))
-        # One to three rows take the AVX-512 BF16 kernel where the CPU has the instructions, more take oneDNN.
-        assert (_bf16_weight_kernel(layer.weight) is not None) == (
-            "avx512_bf16" in native_bf16()
-        )
+        # AVX-512 BF16 without AMX: the weight stays plain (the kernel, then F.linear); with AMX oneDNN packs it.
+        assert not (plain_bf16_weights() and packed is not None)
+        assert plain_bf16_weights() == ("avx512_bf16" in native_bf16() and "amx_bf16" not in native_bf16())
+        assert (_bf16_weight_kernel((layer.weight,)) is not None) == ("avx512_bf16" in native_bf16())
         for rows in (1, 3, 8, 300):
             x = torch.randn(rows, 576).to(torch.bfloat16)
             want = torch.nn.functional.linear(x.float(), layer.weight.float())
             got = layer(x)
             assert got.dtype == torch.bfloat16
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_bfloat16_linear_in_parts_matches_f_linear_at_every_tile_shape() -> None:
+    """A merged weight served in parts (q/k/v mapped from a file apart from one another) gives F.linear's result
+    over the parts' rows in order, with its bias, at every row count: the kernel's 6x4, 4x4, 2x8 and 1x16 tiles
+    and their mixes up to its limit, and F.linear's per-part products above it."""
+    from radixserve.runtime.models.linear import Linear, bf16_kernel_max_rows
+
+    gen = torch.Generator().manual_seed(1)
+    sizes = (64, 32, 48)
+    parts = [torch.randn(n, 96, generator=gen).to(torch.bfloat16) for n in sizes]
+    bias = torch.randn(sum(sizes), generator=gen).to(torch.bfloat16)
+    layer = Linear(96, sum(sizes), bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+    layer.set_plain_parts(parts)
+    assert layer.weight.device.type == "meta" and tuple(layer.weight.shape) == (sum(sizes), 96)
+    whole = torch.cat(parts).float()
+    with torch.inference_mode():
+        for rows in (*range(1, 16), 17, 31, bf16_kernel_max_rows(), bf16_kernel_max_rows() + 1, 70):
+            x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x.float(), whole, bias.float())
+            got = layer(x)
+            assert got.shape == (rows, sum(sizes)) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item(), msg=str(rows))
+    with pytest.raises(ValueError, match="parts make"):
+        layer.set_plain_parts(parts[:2])
 
 
 def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:

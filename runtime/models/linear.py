@@ -23,10 +23,16 @@ kernels beat ``F.linear`` (which reaches oneDNN without the reorder) 1.4-2x up t
 rate (``bench/linear_kernels.py``). Without those instructions bfloat16 products are emulated and ``F.linear``
 is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN ops) takes ``F.linear``.
 
-At one to three rows (one user decoding) a bfloat16 step is bound by streaming the weights, and oneDNN streams
-them at ~13 GB/s of the ~25 the two cores read; ``csrc/bf16_linear.cpp`` (AVX-512 BF16 dot products over the plain
-weight, each weight row read once) reads them at 15-19 GB/s: 30 layers of SmolLM2-135M's projections at one row
-14.7 -> 11.1 ms. From four rows on oneDNN's AMX kernels are as fast or faster, and they keep those.
+Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed at all
+(``plain_bf16_weights``): ``csrc/bf16_linear.cpp`` multiplies the plain weight, as the checkpoint stores it, read
+in place (the loader maps the file instead of copying it). One layer of the 1B Llama shapes (q/k/v, o, gate/up,
+down; 2 threads), kernel / oneDNN packed / ``F.linear``, ms: 1 row 5.6 / 7.8 / 9.0, 4 rows 5.6 / 5.9 / 7.5, 16
+rows 8.1 / 7.8 / 11.1, 32 rows 15.4 / 14.1 / 17.2, 128 rows 61.8 / 49.3 / 50.5, 256 rows 112 / 93 / 94. So the
+kernel serves up to ``BF16_KERNEL_MAX_ROWS`` rows and ``F.linear`` (oneDNN without a reorder of its own) the
+rest: within ~5% of the packed kernels from 1 to 32 rows and ~3% above, with no reorder at load (the reorder was
+most of a 3B model's load time) and no second copy. With AMX, oneDNN's packed kernels run on the tile units and
+stay; the kernel then serves only one to three rows, where it is the faster, for a weight kept plain
+(``--keep-plain-weights``).
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ logger = logging.getLogger("radixserve.model")
 PACK_BATCH_HINT = 8
 
 
-# Up to this many rows a bfloat16 product takes the AVX-512 BF16 kernel (see the module doc), measured.
-BF16_KERNEL_MAX_ROWS = 3
+# Up to this many rows a bfloat16 product takes the AVX-512 BF16 kernel (see the module doc), measured: with AMX
+# (packed oneDNN on the tile units wins from four rows) and without (F.linear is as fast from ~32 rows).
+BF16_KERNEL_MAX_ROWS_AMX = 3
+BF16_KERNEL_MAX_ROWS = 32
 
 
 @functools.cache
@@ -68,25 +76,38 @@ def _bf16_kernel():  # noqa: ANN202 - the compiled function or None
         return None
     op = kernels.bf16_linear.linear
     gen = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((3, 64), (48, 64), (48,)))
+    x, w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((11, 64), (48, 64), (48,)))
     with torch.inference_mode():
         want = F.linear(x.float(), w.float(), b.float())
-        ok = torch.allclose(op(x, w, b).float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
-        ok &= torch.allclose(op(x, w, torch.empty(0)).float(), want - b.float(), rtol=1e-2,
-                             atol=1e-2 * float(want.abs().max()))  # fmt: skip
+        tol = 1e-2 * float(want.abs().max())
+        ok = torch.allclose(op(x, [w[:16], w[16:]], b).float(), want, rtol=1e-2, atol=tol)  # every tile shape
+        ok &= torch.allclose(op(x[:1], [w], torch.empty(0)).float(), want[:1] - b.float(), rtol=1e-2, atol=tol)
     if not ok:
         logger.warning("bfloat16 linear kernel disagrees with F.linear on this machine; using oneDNN")
         return None
     return op
 
 
-def _bf16_weight_kernel(w: torch.Tensor):  # noqa: ANN202
-    """The small-row kernel when it applies to this weight: bfloat16 on CPU, K % 32 and N % 16 (its blocking)."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
-        return None
-    if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
-        return None
+def _bf16_weight_kernel(parts: tuple[torch.Tensor, ...]):  # noqa: ANN202
+    """The bfloat16 kernel when it applies to this weight (its parts): bfloat16 on CPU, contiguous, K % 32 and
+    every part's N % 16 (its blocking)."""
+    for w in parts:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
+            return None
+        if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
+            return None
     return _bf16_kernel()
+
+
+@functools.cache
+def plain_bf16_weights() -> bool:
+    """Whether bfloat16 weights on this CPU are served plain, by the AVX-512 BF16 kernel and ``F.linear``, rather
+    than packed for oneDNN (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked."""
+    return envs.onednn_linear() and "amx_bf16" not in native_bf16() and _bf16_kernel() is not None
+
+
+def bf16_kernel_max_rows() -> int:
+    return BF16_KERNEL_MAX_ROWS if plain_bf16_weights() else BF16_KERNEL_MAX_ROWS_AMX
 
 
 
@@ -100,7 +121,7 @@ def onednn_usable(dtype: torch.dtype = torch.float32) -> bool:
     per dtype); bfloat16 only on a CPU with native bfloat16 matrix instructions."""
     if not envs.onednn_linear() or dtype not in _TOLERANCE:
         return False
-    if dtype == torch.bfloat16 and not native_bf16():
+    if dtype == torch.bfloat16 and (not native_bf16() or plain_bf16_weights()):
         return False
     try:
         if not torch.backends.mkldnn.is_available():
@@ -166,10 +187,13 @@ class Linear(_Quantizable, nn.Linear):
     _packed_key: tuple[int, int] | None = None
     _small: object | None = None  # the small-row bfloat16 kernel for this weight, or None (see forward)
     _small_key: int | None = None  # data_ptr of the weight ``_small`` was decided for
+    _small_weights: list[torch.Tensor] | None = None  # what ``_small`` multiplies: the weight, or its parts
     # Only the packed copy is left (``release_plain``): ``weight`` is a meta tensor, ``_packed`` is the weight.
     _released: bool = False
     _pack_allowed: bool = True  # False: this weight is shared (a tied head) and is not packed (see prepack)
     _pack_blocks = True
+    # The weight as consecutive blocks of rows (``set_plain_parts``), each a tensor of its own; () when whole.
+    _plain_parts: tuple[torch.Tensor, ...] = ()
 
     def reset_parameters(self) -> None:
         """No random initialization: the weights always come from a checkpoint (and on the meta device the
@@ -197,9 +221,24 @@ class Linear(_Quantizable, nn.Linear):
             direct = self._direct = (op.linear, data, quant.QTYPES[self.qtype], k, n)
         return None if quant.packed_unpacks_for_gemm(x) else direct
 
+    def set_plain_parts(self, parts: list[torch.Tensor]) -> None:
+        """Serve the weight as ``parts``, its blocks of rows in output order, without concatenating them: a merged
+        projection whose parts are views of the checkpoint's memory map, in the file's order rather than the
+        model's. The parameter becomes a meta tensor of the whole shape (shapes read right); the parts are
+        buffers (``wpart0``, ...). Only where bfloat16 weights are served plain (``plain_bf16_weights``)."""
+        w = self.weight
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if tuple(w.shape) != shape:
+            raise ValueError(f"weight parts make {shape}, the layer is {tuple(w.shape)}")
+        self.weight = nn.Parameter(torch.empty(shape, dtype=parts[0].dtype, device="meta"), requires_grad=False)
+        for i, part in enumerate(parts):
+            self.register_buffer(f"wpart{i}", part, persistent=False)
+        self._plain_parts = tuple(parts)
+        self._small_key = None
+
     def _eligible(self) -> bool:
         w = self.weight
-        if w is None or not self._pack_allowed:  # quantized, or shared
+        if w is None or not self._pack_allowed or self._plain_parts:  # quantized, shared, or in parts
             return False
         return w.device.type == "cpu" and not torch.is_grad_enabled() and onednn_usable(w.dtype)
 
@@ -245,15 +284,21 @@ class Linear(_Quantizable, nn.Linear):
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         if self._released:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        parts = self._plain_parts
         w = self.weight
-        # One user decoding: the bfloat16 small-row kernel. What it needs of the weight is checked once per weight
-        # (a decode step makes ~120 of these calls; each check is a few microseconds of Python).
-        if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_KERNEL_MAX_ROWS and x.dim() == 2:
-            key = w.data_ptr()
+        # Few rows: the bfloat16 kernel, on the weight in place. What it needs of the weight is checked once per
+        # weight (a decode step makes ~120 of these calls; each check is a few microseconds of Python).
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= bf16_kernel_max_rows():
+            key = parts[0].data_ptr() if parts else w.data_ptr()
             if key != self._small_key:
-                self._small, self._small_key = _bf16_weight_kernel(w), key
+                self._small, self._small_key = _bf16_weight_kernel(parts or (w,)), key
+                self._small_weights = list(parts or (w,))
             if self._small is not None and not torch.is_grad_enabled():
-                return self._small(x.contiguous(), w, self.bias if self.bias is not None else _NO_BIAS)
+                bias = self.bias if self.bias is not None else _NO_BIAS
+                return self._small(x.contiguous(), self._small_weights, bias)
+        if parts:  # each part's product, side by side (the copy is of the output, a few rows)
+            y = torch.cat([F.linear(x, part) for part in parts], dim=-1)
+            return y if self.bias is None else y + self.bias
         packed = self.pack() if self._eligible() else None
         if packed is None:
             return F.linear(x, self.weight, self.bias)

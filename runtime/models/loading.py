@@ -62,7 +62,9 @@ def load_weights(
         parts = pending.setdefault(target, {})
         parts[name.rpartition(".")[0].rpartition(".")[2]] = tensor
         if len(parts) == len(module.parts):
-            _put(module, leaf, _assemble([parts[p] for p in module.parts]), params[target], target, device)
+            apart = leaf == "weight" and hasattr(module, "set_plain_parts")
+            whole = _assemble([parts[p] for p in module.parts], keep_apart=apart)
+            _put(module, leaf, whole, params[target], target, device)
             del pending[target], parts
             if on_weight is not None and leaf == "weight":
                 on_weight(module)
@@ -130,18 +132,31 @@ class MergedRows:
     takes as it is: no concatenation, no second copy (a quarter of a 3B model's load time went to it). With a
     ``staging`` pool (the weights are packed as they arrive), every linear weight is read into a pooled buffer.
     Parts in another dtype than the model's, or of a shape the model does not expect, get buffers of their own
-    (and the usual conversion or error). ``rename`` maps checkpoint names to the decoder's (a family's)."""
+    (and the usual conversion or error). ``rename`` maps checkpoint names to the decoder's (a family's).
+
+    With ``map_weights`` the linear and embedding weights stored in the model's dtype are not read at all but
+    mapped (``maps`` is the reader's ``mapped``): a merged projection's parts then stay apart, unless they lie
+    side by side in the file (``_assemble``)."""
 
     def __init__(
-        self, model: nn.Module, dtype: torch.dtype, rename: Callable[[str], str], staging: StagingPool | None = None
+        self,
+        model: nn.Module,
+        dtype: torch.dtype,
+        rename: Callable[[str], str],
+        staging: StagingPool | None = None,
+        map_weights: bool = False,
     ) -> None:
         self.dtype, self.rename, self.staging = dtype, rename, staging
+        self.map_weights = map_weights
+        self.matrices: dict[str, tuple[int, ...]] = {}  # linear and embedding weights (whole) -> shape
         self.parts: dict[str, tuple[str, slice, tuple[int, ...]]] = {}  # part name -> (merged name, rows, shape)
         self.whole: dict[str, tuple[int, ...]] = {}  # a linear weight read whole into a staging buffer -> shape
         self.buffers: dict[str, tuple[torch.Tensor, int]] = {}  # merged name -> (buffer, parts not yet given)
         self.counts: dict[str, int] = {}  # merged name -> how many checkpoint tensors fill it
         for name, module in model.named_modules():
             parts = getattr(module, "parts", None)
+            if isinstance(module, nn.Linear | nn.Embedding) and not isinstance(parts, dict):
+                self.matrices[f"{name}.weight"] = tuple(module.weight.shape)
             if not isinstance(parts, dict):
                 if staging is not None and isinstance(module, nn.Linear) and module.weight is not None:
                     self.whole[f"{name}.weight"] = tuple(module.weight.shape)
@@ -157,6 +172,17 @@ class MergedRows:
                 self.counts[f"{name}.{leaf}"] = len(parts)
                 if staging is not None and leaf == "weight":
                     staging.expect(dtype, tuple(param.shape))
+
+    def maps(self, name: str, dtype: torch.dtype, shape: list[int]) -> bool:
+        """Whether the reader should map this tensor rather than read it (see the class doc)."""
+        if not self.map_weights or dtype != self.dtype:
+            return False
+        name = self.rename(name)
+        if name in self.matrices:
+            return list(self.matrices[name]) == shape
+        found = self.parts.get(name)
+        return found is not None and found[0].endswith(".weight") and shape == [found[1].stop - found[1].start,
+                                                                                 *found[2][1:]]  # fmt: skip
 
     def __call__(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
         name = self.rename(name)
@@ -211,11 +237,32 @@ def _runs_of_one_type(parts: list[QuantTensor]) -> list[QuantTensor]:
     return out
 
 
-def _assemble(parts: list[Loaded]) -> Loaded:
-    """The merged weight from its parts, in output order."""
+class PlainParts(tuple):
+    """The parts of a merged weight, views of one file's map that do not lie side by side: served apart
+    (``Linear.set_plain_parts``) rather than copied together."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self), *self[0].shape[1:])
+
+
+def _one_map(parts: list[Loaded]) -> bool:
+    """Whether the parts are views of one storage (the file's map: ``safetensors_read``), of one dtype."""
+    if not all(isinstance(p, torch.Tensor) and p.is_contiguous() and p.dim() == 2 for p in parts):
+        return False
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()  # type: ignore[union-attr]
+    return all(p.untyped_storage().data_ptr() == storage and p.dtype == first.dtype for p in parts)  # type: ignore[union-attr]
+
+
+def _assemble(parts: list[Loaded], *, keep_apart: bool = False) -> Loaded:
+    """The merged weight from its parts, in output order; ``PlainParts`` where ``keep_apart`` and they are
+    mapped views apart from one another."""
     whole = _adjacent(parts)
     if whole is not None:
         return whole
+    if keep_apart and len(parts) > 1 and _one_map(parts):
+        return PlainParts(parts)
     if all(isinstance(p, QuantTensor) for p in parts):
         runs = _runs_of_one_type(parts)  # type: ignore[arg-type]
         if len(runs) == 1:
@@ -230,6 +277,11 @@ def _put(module: nn.Module, leaf: str, tensor: Loaded, param: torch.Tensor, name
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
     target = torch.device(device) if device is not None else (param.device if param.device.type != "meta" else None)
+    if isinstance(tensor, PlainParts):
+        if tensor[0].dtype == param.dtype and (target is None or target.type == "cpu"):
+            module.set_plain_parts(list(tensor))  # type: ignore[operator]
+            return
+        tensor = torch.cat(list(tensor), dim=0)
     if isinstance(tensor, QuantTensor | QuantParts):
         if leaf != "weight" or not hasattr(module, "set_quantized"):
             raise ValueError(f"{name}: a block-quantized tensor can only be a linear or embedding weight")
