@@ -2,7 +2,8 @@
 
 Each run is a fresh process: it imports the engine, loads the compiled kernels and the tokenizer (libraries, not
 weights), notes its resident set (RSS, from /proc/self/status), loads the model with a KV pool of
-``--max-total-tokens`` (256), and notes the RSS again and the peak (VmHWM). Printed per quantization mode: the
+``--max-total-tokens`` (256), waits for weights mapped at load to move into memory (``runtime.mapped_weights``), and
+notes the RSS again and the peak (VmHWM). Printed per quantization mode: the
 growth and the peak growth, both as a multiple of the file's bytes, and the peak over the file's bytes plus the
 KV pool's (the models issue's measure). With ``--tp N`` each rank is a row: the leader as above, and each worker
 process's own peak less the leader's baseline (a worker imports the same libraries); the file's share is 1/N.
@@ -46,6 +47,7 @@ load_kernels(), load_tokenizer(resolve_model(sys.argv[1]))  # libraries and the 
 before = status("VmRSS")
 model, mode, dtype, tokens, tp = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 engine = Engine(model=model, device="cpu", quantization=mode, dtype=dtype, max_total_tokens=tokens, tp=tp)
+engine.weight_mover.done.wait()  # weights mapped at load have moved into memory of their own by now
 after, peak = status("VmRSS"), status("VmHWM")
 ranks = [status("VmHWM", pid) for pid in workers()]
 kv = engine.core.runner.pool.nbytes

@@ -34,6 +34,7 @@ from radixserve.runtime.grammar import GrammarSupport
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
+from radixserve.runtime.mapped_weights import WeightMover
 from radixserve.runtime.memory import module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
@@ -160,6 +161,9 @@ class Engine(EngineAPI):
         self._last_generated = 0
         self._thread = threading.Thread(target=self._loop, name="radixserve-engine", daemon=True)
         self._thread.start()
+        # Weights mapped from the checkpoint move into memory of their own while the engine serves.
+        models = [loaded.model] + ([draft.model] if draft is not None else [])
+        self.weight_mover = WeightMover(models, self._post)
 
     # --- public API ---------------------------------------------------------------------------------------
     @property
@@ -261,10 +265,21 @@ class Engine(EngineAPI):
 
         return self.call(check)
 
+    def _post(self, fn: Callable[[], None]) -> Future[None]:
+        """Run ``fn()`` on the engine thread between two steps, without waiting for it."""
+        fut: Future[None] = Future()
+        with self._count_lock:
+            if self._closed or not self.alive:
+                raise EngineDeadError(self.error or "the engine has shut down")
+            self._inbox.put(("call", lambda _core: fn(), fut))
+        return fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.weight_mover.stop()
         self._stop.set()
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
+        self.weight_mover.close(timeout)  # its swap waiting on the loop has failed by now
         self.grammar.close()
         if self._tp is not None:
             self._tp.close()

@@ -11,7 +11,8 @@ served plain, ``linear.plain_bf16_weights``) is instead a view of one private ma
 up front (``MADV_POPULATE_READ``, which reads them off the disk if need be): no copy, no fresh memory to fault in
 (0.6 s a GiB on this machine's VMs), so the load takes what reading the file takes. Only those tensors' pages
 are touched, and the map lives as long as one of them does. A write into such a tensor would copy its page
-(the map is private): the file is never changed.
+(the map is private): the file is never changed. ``runtime.mapped_weights`` later moves them into memory of the
+process's own and gives each tensor's pages back (``unmap_pages``).
 
 The format: an 8-byte little-endian header length, a JSON header ``{name: {dtype, shape, data_offsets}}``
 (offsets relative to the end of the header), then the data.
@@ -26,6 +27,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +132,10 @@ MADV_POPULATE_READ = 22
 _PAGE = mmap.PAGESIZE
 
 
+# Every live file map, by its first address (the maps go when their last view does).
+_MAPS: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+
+
 class _FileMap:
     """One file's private map, made at the first tensor that asks for it, as one uint8 tensor: every view shares
     its storage (so the parts of a merged projection that lie side by side in the file are seen as one block)."""
@@ -137,6 +143,7 @@ class _FileMap:
     def __init__(self, f: Any) -> None:
         self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        _MAPS[self.bytes.data_ptr()] = self._map
 
     def view(self, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
         """The tensor at ``offset``, its pages mapped; None where its offset does not suit its dtype."""
@@ -148,6 +155,32 @@ class _FileMap:
         except OSError:
             self.bytes[offset : offset + nbytes : _PAGE].sum()  # one read a page faults each in
         return self.bytes[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _map_of(t: torch.Tensor) -> tuple[int, mmap.mmap] | None:
+    for base, m in list(_MAPS.items()):
+        if base <= t.data_ptr() and t.data_ptr() + t.nbytes <= base + len(m):
+            return base, m
+    return None
+
+
+def is_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of a file map made here."""
+    return t.device.type == "cpu" and _map_of(t) is not None
+
+
+def unmap_pages(t: torch.Tensor) -> None:
+    """Give back the pages wholly inside ``t``'s bytes of its file map (``MADV_DONTNEED``): they leave the
+    resident set. Safe while something still reads them: the map is private and the file unchanged, so a read
+    maps the same bytes in again."""
+    found = _map_of(t)
+    if found is None:
+        return
+    base, m = found
+    lo = -(-(t.data_ptr() - base) // _PAGE) * _PAGE
+    hi = (t.data_ptr() - base + t.nbytes) // _PAGE * _PAGE
+    if hi > lo:
+        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
 def iter_file(

@@ -5,6 +5,7 @@ and gate/up fused, and the experts of MoE models)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from pathlib import Path
@@ -18,6 +19,7 @@ from radixserve.runtime import loader, safetensors_read
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.loader import load_model
+from radixserve.runtime.mapped_weights import mapped_tensors
 from radixserve.runtime.models.linear import Linear, onednn_usable, plain_bf16_weights
 from radixserve.runtime.safetensors_read import Cut, iter_file, read_ahead
 from radixserve.runtime.sampling_params import SamplingParams
@@ -158,8 +160,9 @@ def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bfloat16 checkpoint's linear and embedding weights are views of the file's map (no copy): gate/up, side
-    by side in the file, as one block; q/k/v, apart (k, o, q, v in name order), as parts. Greedy tokens are those
-    of the same weights read into memory."""
+    by side in the file, as one block; q/k/v, apart (k, o, q, v in name order), as parts. An engine moves them into
+    memory of its own while it serves and lets the map go. Greedy tokens are those of the same weights read into
+    memory."""
     folder = make_tiny_model(tmp_path / "m", num_layers=2, tie=False, seed=5)
     (file,) = folder.glob("*.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
@@ -176,7 +179,10 @@ def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
     assert in_map(layer.mlp.gate_up_proj.weight) and not layer.mlp.gate_up_proj._plain_parts
     assert in_map(layer.self_attn.o_proj.weight) and in_map(model.model.embed_tokens.weight)
     assert not in_map(layer.input_layernorm.weight)  # read: a norm is not a matrix the kernels read in place
-    del model
+    assert len(mapped_tensors([model])) == 2 * 6 + 2  # per layer q, k, v, o, gate/up, down; embedding, head
+    del model, layer
+    gc.collect()
+    assert not _mapped_ranges(file), "the map outlived the model"
 
     prompts = ["def fibonacci(n):", "The quick brown fox", "1, 2, 3, 4,"]
     outputs = []
@@ -184,6 +190,10 @@ def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
         monkeypatch.setattr(loader, "plain_bf16_weights", lambda mapping=mapping: mapping)
         engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", max_total_tokens=1024)
         try:
+            assert engine.weight_mover.done.wait(30)
+            assert engine.weight_mover.moved_bytes > 0 if mapping else engine.weight_mover.moved_bytes == 0
+            gc.collect()
+            assert not mapped_tensors([engine.core.runner.model]) and not _mapped_ranges(file)
             outputs.append(_greedy(engine, prompts))
         finally:
             engine.shutdown()
