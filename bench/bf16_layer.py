@@ -1,0 +1,82 @@
+"""One decoder layer's bfloat16 projections, streamed from memory: the kernels the engine may serve them with.
+
+A layer of a Llama shape (q/k/v, o, gate/up, down) is multiplied at 1 to 256 rows, over two layers' worth of
+distinct weights so that every call reads its weights from memory, not from the caches, as a decode step does:
+
+* ``kernel``: the AVX-512 BF16 kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what
+  the engine runs up to ``linear.BF16_KERNEL_MAX_ROWS`` rows where bfloat16 weights are served plain);
+* ``onednn``: oneDNN on prepacked weights (what the engine runs with AMX, and ran everywhere before);
+* ``F.linear``: on the plain weights (the engine's path above the kernel's rows).
+
+Printed: milliseconds per layer (median of 5), and each against oneDNN.
+
+    python -m bench.bf16_layer                      # the 1B Llama shape (hidden 2048, MLP 8192, 8 KV heads)
+    python -m bench.bf16_layer --hidden 3072 --intermediate 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import format_table, machine_summary
+from radixserve.runtime.models.linear import _bf16_kernel
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--kv-dim", type=int, default=512, help="KV heads x head dim")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    kernel = _bf16_kernel()
+    if kernel is None:
+        raise SystemExit("the AVX-512 BF16 kernel does not run on this CPU")
+    torch.set_num_threads(args.threads)
+    h, i, kv = args.hidden, args.intermediate, args.kv_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+
+    layers = [{"qkv": [weight(h, h), weight(kv, h), weight(kv, h)], "o": [weight(h, h)],
+               "gate_up": [weight(2 * i, h)], "down": [weight(h, i)]} for _ in range(2)]  # fmt: skip
+    plain = [{name: torch.cat(parts) for name, parts in layer.items()} for layer in layers]
+    packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
+    none = torch.empty(0)
+
+    def run(matmul: Callable[[str, int, torch.Tensor], object], rows: int) -> float:
+        xs = {h: torch.randn(rows, h).to(torch.bfloat16), i: torch.randn(rows, i).to(torch.bfloat16)}
+        start = time.perf_counter()
+        for n in range(len(layers)):
+            for name in ("qkv", "o", "gate_up", "down"):
+                matmul(name, n, xs[i if name == "down" else h])
+        return (time.perf_counter() - start) / len(layers)
+
+    ways: dict[str, Callable[[str, int, torch.Tensor], object]] = {
+        "kernel": lambda name, n, x: kernel(x, layers[n][name], none),
+        "onednn": lambda name, n, x: torch.ops.mkldnn._linear_pointwise(x, packed[n][name], None, "none", [], ""),
+        "F.linear": lambda name, n, x: F.linear(x, plain[n][name]),
+    }
+    table = []
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            ms = {}
+            for name, way in ways.items():
+                run(way, rows)
+                ms[name] = statistics.median(run(way, rows) for _ in range(5)) * 1e3
+            table.append([rows, *(ms[n] for n in ways), *(ms["onednn"] / ms[n] for n in ("kernel", "F.linear"))])
+    print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads; {machine_summary()}")
+    print(format_table(["rows", "kernel ms", "oneDNN ms", "F.linear ms", "kernel x oneDNN", "F.linear x oneDNN"],
+                       table))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
