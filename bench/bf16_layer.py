@@ -10,8 +10,13 @@ distinct weights so that every call reads its weights from memory, not from the 
 
 Printed: milliseconds per layer (median of 5), and each against oneDNN.
 
+With ``--checkpoint DIR`` (a bfloat16 safetensors folder) it times instead the kernel at one row over every
+matrix of the checkpoint, mapped from its files as the loader maps them, against the same bytes copied into fresh
+memory, alternating (why the engine moves mapped weights into memory of its own: ``runtime.mapped_weights``).
+
     python -m bench.bf16_layer                      # the 1B Llama shape (hidden 2048, MLP 8192, 8 KV heads)
     python -m bench.bf16_layer --hidden 3072 --intermediate 8192
+    python -m bench.bf16_layer --checkpoint ~/.cache/radixserve/bench-models/random-llama-1b
 """
 
 from __future__ import annotations
@@ -20,12 +25,41 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import format_table, machine_summary
 from radixserve.runtime.models.linear import _bf16_kernel
+
+
+def mapped_against_copied(folder: Path, rounds: int = 4) -> None:
+    """The kernel at one row over every 2-D bfloat16 tensor of ``folder``: mapped, then copied, ``rounds`` times."""
+    from radixserve.runtime.safetensors_read import iter_file
+    from radixserve.runtime.weights import safetensors_files
+
+    kernel = _bf16_kernel()
+    mapped = [t for f in safetensors_files(folder)
+              for _, t in iter_file(f, mapped=lambda _n, d, s: d == torch.bfloat16 and len(s) == 2)
+              if t.dim() == 2 and t.shape[1] % 32 == 0 and t.shape[0] % 16 == 0]  # fmt: skip
+    copied = [t.clone() for t in mapped]
+    none, nbytes = torch.empty(0), sum(t.nbytes for t in mapped)
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for k in {t.shape[1] for t in mapped}}
+
+    def once(ws: list[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for w in ws:
+            kernel(xs[w.shape[1]], [w], none)
+        return time.perf_counter() - start
+
+    rows = []
+    with torch.inference_mode():
+        for r in range(rounds):
+            a, b = (statistics.median(once(ws) for _ in range(5)) for ws in (mapped, copied))
+            rows.append([r + 1, a * 1e3, b * 1e3, nbytes / a / 1e9, nbytes / b / 1e9, a / b])
+    print(f"# {folder.name}: {len(mapped)} matrices, {nbytes / 2**20:.0f} MiB, one row; {machine_summary()}")
+    print(format_table(["round", "mapped ms", "copied ms", "mapped GB/s", "copied GB/s", "mapped / copied"], rows))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -35,11 +69,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--kv-dim", type=int, default=512, help="KV heads x head dim")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint", type=Path, help="time mapped against copied weights of this folder instead")
     args = p.parse_args(argv)
     kernel = _bf16_kernel()
     if kernel is None:
         raise SystemExit("the AVX-512 BF16 kernel does not run on this CPU")
     torch.set_num_threads(args.threads)
+    if args.checkpoint is not None:
+        mapped_against_copied(args.checkpoint.expanduser())
+        return
     h, i, kv = args.hidden, args.intermediate, args.kv_dim
     gen = torch.Generator().manual_seed(0)
 
