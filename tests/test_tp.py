@@ -145,6 +145,31 @@ def test_dead_worker_stops_the_engine(tiny_model_dir: Path) -> None:
         engine.shutdown()
 
 
+def test_sharding_the_meta_model_cuts_shapes_without_the_compiler_stack(tiny_model_dir: Path) -> None:
+    """A rank shards its model on the meta device before loading: the shapes are cut, and no meta-tensor op pulls
+    in torch._dynamo (and Triton with it), which cost every rank ~125 MiB resident (a fresh process: other tests
+    may have imported it here)."""
+    code = f"""
+import sys
+from pathlib import Path
+import torch
+from radixserve.runtime.distributed.shard import shard_model
+from radixserve.runtime.loader import build_model
+from radixserve.runtime.models.llama import ModelArgs
+from radixserve.runtime.weights import load_hf_config
+args = ModelArgs.from_hf_config(load_hf_config(Path({str(tiny_model_dir)!r})))
+model = build_model(args, torch.bfloat16, torch.device("cpu"))
+whole = model.model.layers[0].self_attn.qkv_proj.weight.shape
+shard_model(model, 1, 2, None)
+attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+print("torch._dynamo" in sys.modules, whole[0] // 2 == attn.qkv_proj.weight.shape[0],
+      attn.o_proj.weight.shape[1] * 2 == args.hidden_size, mlp.down_proj.weight.is_meta)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True", "True"]
+
+
 def test_tp_that_does_not_divide_the_heads_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="--tp 3 does not divide the model's 4 attention heads"):
         make_engine(tiny_model_dir, 3)

@@ -80,8 +80,24 @@ class VocabParallelEmbedding(nn.Module):
         return out
 
 
+def _meta(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A meta tensor of ``shape`` like ``t``. The loader shards the model on the meta device, before any weight
+    exists, and there only shapes matter: cat, clone or a slice assignment of meta tensors run through PyTorch's
+    Python decompositions, whose first use imports its compiler stack (torch._dynamo and Triton, ~125 MiB resident
+    in every rank: ``bench.weights_memory --tp 2``)."""
+    return torch.empty(shape, dtype=t.dtype, device="meta")
+
+
 def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    if t.is_meta:
+        return _meta(t, (t.shape[0] // world, *t.shape[1:]))
     return t.chunk(world, dim=0)[rank].clone()
+
+
+def _cat_rows(pieces: list[torch.Tensor]) -> torch.Tensor:
+    if pieces[0].is_meta:
+        return _meta(pieces[0], (sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]))
+    return torch.cat(pieces)
 
 
 def _colwise(linear: MergedLinear, rank: int, world: int) -> None:
@@ -89,11 +105,11 @@ def _colwise(linear: MergedLinear, rank: int, world: int) -> None:
     gate and of up), concatenated in the parts' order."""
     pieces = [linear.part_rows(name) for name in linear.parts]
     linear.weight = nn.Parameter(
-        torch.cat([_rows(linear.weight.data[rows], rank, world) for rows in pieces]), requires_grad=False
+        _cat_rows([_rows(linear.weight.data[rows], rank, world) for rows in pieces]), requires_grad=False
     )
     if linear.bias is not None:
         linear.bias = nn.Parameter(
-            torch.cat([_rows(linear.bias.data[rows], rank, world) for rows in pieces]), requires_grad=False
+            _cat_rows([_rows(linear.bias.data[rows], rank, world) for rows in pieces]), requires_grad=False
         )
     linear.parts = {name: size // world for name, size in linear.parts.items()}
     linear.out_features //= world
@@ -102,9 +118,12 @@ def _colwise(linear: MergedLinear, rank: int, world: int) -> None:
 def _rowwise(linear: nn.Linear, rank: int, world: int, group: Any) -> None:
     """Row-parallel: this rank's slice of the inputs; the partial outputs are summed by an all-reduce after the
     layer, or, with ``group`` None, after the module that owns it (the experts of a ``SparseMoE``)."""
-    linear.weight = nn.Parameter(linear.weight.data.chunk(world, dim=1)[rank].clone(), requires_grad=False)
+    w = linear.weight.data
+    cut = _meta(w, (w.shape[0], w.shape[1] // world)) if w.is_meta else w.chunk(world, dim=1)[rank].clone()
+    linear.weight = nn.Parameter(cut, requires_grad=False)
     if linear.bias is not None and rank != 0:
-        linear.bias = nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
+        b = linear.bias.data
+        linear.bias = nn.Parameter(_meta(b, tuple(b.shape)) if b.is_meta else torch.zeros_like(b), requires_grad=False)
     linear.in_features //= world
     if group is not None:
         _all_reduce_output(linear, group)
@@ -120,6 +139,8 @@ def _all_reduce_output(module: nn.Module, group: Any) -> None:
 def _vocab_rows(weight: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:
     vocab = weight.shape[0]
     start, end, size = vocab_shard(vocab, rank, world)
+    if weight.is_meta:
+        return _meta(weight, (size, weight.shape[1])), start
     shard = weight.new_zeros((size, weight.shape[1]))
     shard[: end - start] = weight[start:end]
     return shard, start

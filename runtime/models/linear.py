@@ -26,10 +26,11 @@ is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN op
 Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed at all
 (``plain_bf16_weights``): ``csrc/bf16_linear.cpp`` multiplies the plain weight, as the checkpoint stores it, read
 in place (the loader maps the file instead of copying it). One layer of the 1B Llama shapes (q/k/v, o, gate/up,
-down; 2 threads), kernel / oneDNN packed / ``F.linear``, ms: 1 row 5.6 / 7.8 / 9.0, 4 rows 5.6 / 5.9 / 7.5, 16
-rows 8.1 / 7.8 / 11.1, 32 rows 15.4 / 14.1 / 17.2, 128 rows 61.8 / 49.3 / 50.5, 256 rows 112 / 93 / 94. So the
-kernel serves up to ``BF16_KERNEL_MAX_ROWS`` rows and ``F.linear`` (oneDNN without a reorder of its own) the
-rest: within ~5% of the packed kernels from 1 to 32 rows and ~3% above, with no reorder at load (the reorder was
+down; 2 threads; ``bench/bf16_layer.py``), kernel / oneDNN packed / ``F.linear``, ms: 1 row 4.6 / 6.0 / 8.6, 4
+rows 4.0 / 4.8 / 6.7, 16 rows 7.6 / 7.3 / 11.5, 32 rows 13.9 / 13.2 / 15.2, 128 rows 45.9 / 40.4 / 43.6, 256 rows
+96 / 79 / 80. So the kernel serves up to ``BF16_KERNEL_MAX_ROWS`` rows and ``F.linear`` (oneDNN without a reorder
+of its own) the rest: from 1 to 32 rows as fast as the packed kernels or within ~5%, from 33 to ~128 rows 5-20%
+behind them, level from ~256 (prefill chunks); in exchange there is no reorder at load (the reorder was
 most of a 3B model's load time) and no second copy. With AMX, oneDNN's packed kernels run on the tile units and
 stay; the kernel then serves only one to three rows, where it is the faster, for a weight kept plain
 (``--keep-plain-weights``).

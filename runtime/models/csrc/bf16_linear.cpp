@@ -10,8 +10,8 @@
 // Tiles are 6x4 while six rows remain, then 4x4, 2x8 and 1x16. The block is read from memory by the first tile and
 // from L2 by the others, while the next block is prefetched into L2 a few lines per step, spread over every tile of
 // the block, so that streaming the weights overlaps all the block's arithmetic (measured on 2 Zen 4 cores, the 1B
-// Llama shapes: at 1-16 rows as fast as oneDNN's packed kernels or faster; from ~32 rows oneDNN's products, which
-// need no reorder at those sizes, win, and the caller switches to them: ``linear.BF16_KERNEL_MAX_ROWS``).
+// Llama shapes, ``bench/bf16_layer.py``: at 1-16 rows as fast as oneDNN's packed kernels or faster, at 32 within
+// 5%; above, oneDNN's products pull ahead and the caller switches to ``F.linear``: ``linear.BF16_KERNEL_MAX_ROWS``).
 // A weight may be given in parts (the q, k and v projections of one merged layer, each its own tensor): the output
 // columns are the parts' rows in order.
 // Layouts: x [M, K] bfloat16 contiguous, each part [N_i, K] bfloat16 contiguous with N_i % 16 == 0, K % 32 == 0,
