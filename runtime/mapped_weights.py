@@ -69,8 +69,9 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 def _swap(item: _Mapped, copy: torch.Tensor) -> None:
     """Put ``copy`` where ``item.tensor`` was (run on the engine thread), then give the mapped pages back."""
+    param = nn.Parameter(copy, requires_grad=False)  # one object for every owner, as tied weights are
     for module, name in item.params:
-        setattr(module, name, nn.Parameter(copy, requires_grad=False))
+        setattr(module, name, param)
     for module in {id(m): m for m, _ in item.parts_of}.values():
         parts = [copy if p is item.tensor else p for p in module._plain_parts]  # type: ignore[union-attr]
         module.set_plain_parts(parts)  # type: ignore[operator]

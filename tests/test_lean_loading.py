@@ -200,6 +200,23 @@ def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
     assert outputs[0] == outputs[1] and all(outputs[0])
 
 
+@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights are packed for oneDNN on this CPU")
+def test_a_tied_head_moves_with_its_embedding(tmp_path: Path) -> None:
+    """The mover swaps a tensor in all its owners at once: a head tied to the embedding stays the embedding."""
+    folder = make_tiny_model(tmp_path / "m", num_layers=1, tie=True, seed=6)
+    (file,) = folder.glob("*.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
+    engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", max_total_tokens=256)
+    try:
+        model = engine.core.runner.model
+        assert engine.weight_mover.done.wait(30) and engine.weight_mover.moved_bytes > 0
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert not mapped_tensors([model])
+        assert _greedy(engine, ["The quick brown fox"])[0]
+    finally:
+        engine.shutdown()
+
+
 def _greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=12, temperature=0.0)
     return [r["output_ids"] for r in engine.generate(prompts, [params] * len(prompts))]

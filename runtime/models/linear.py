@@ -289,7 +289,7 @@ class Linear(_Quantizable, nn.Linear):
         w = self.weight
         # Few rows: the bfloat16 kernel, on the weight in place. What it needs of the weight is checked once per
         # weight (a decode step makes ~120 of these calls; each check is a few microseconds of Python).
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= bf16_kernel_max_rows():
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu and x.shape[0] <= bf16_kernel_max_rows():
             key = parts[0].data_ptr() if parts else w.data_ptr()
             if key != self._small_key:
                 self._small, self._small_key = _bf16_weight_kernel(parts or (w,)), key
