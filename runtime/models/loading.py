@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from radixserve.runtime.models.quant import QuantParts, QuantTensor, packed_ops, quantize_q8_0
+from radixserve.runtime.safetensors_read import is_mapped
 
 Loaded = torch.Tensor | QuantTensor | QuantParts
 
@@ -238,7 +239,7 @@ def _runs_of_one_type(parts: list[QuantTensor]) -> list[QuantTensor]:
 
 
 class PlainParts(tuple):
-    """The parts of a merged weight, views of one file's map that do not lie side by side: served apart
+    """The parts of a merged weight, views of checkpoint maps that do not lie side by side: served apart
     (``Linear.set_plain_parts``) rather than copied together."""
 
     @property
@@ -246,13 +247,12 @@ class PlainParts(tuple):
         return (sum(p.shape[0] for p in self), *self[0].shape[1:])
 
 
-def _one_map(parts: list[Loaded]) -> bool:
-    """Whether the parts are views of one storage (the file's map: ``safetensors_read``), of one dtype."""
+def _all_mapped(parts: list[Loaded]) -> bool:
+    """Whether the parts are views of checkpoint maps (``safetensors_read``: of one file or, where a layer's
+    tensors straddle two shards, of two), of one dtype."""
     if not all(isinstance(p, torch.Tensor) and p.is_contiguous() and p.dim() == 2 for p in parts):
         return False
-    first = parts[0]
-    storage = first.untyped_storage().data_ptr()  # type: ignore[union-attr]
-    return all(p.untyped_storage().data_ptr() == storage and p.dtype == first.dtype for p in parts)  # type: ignore[union-attr]
+    return all(is_mapped(p) and p.dtype == parts[0].dtype for p in parts)  # type: ignore[union-attr]
 
 
 def _assemble(parts: list[Loaded], *, keep_apart: bool = False) -> Loaded:
@@ -261,7 +261,7 @@ def _assemble(parts: list[Loaded], *, keep_apart: bool = False) -> Loaded:
     whole = _adjacent(parts)
     if whole is not None:
         return whole
-    if keep_apart and len(parts) > 1 and _one_map(parts):
+    if keep_apart and len(parts) > 1 and _all_mapped(parts):
         return PlainParts(parts)
     if all(isinstance(p, QuantTensor) for p in parts):
         runs = _runs_of_one_type(parts)  # type: ignore[arg-type]
