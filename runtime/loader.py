@@ -218,14 +218,16 @@ def load_model(
         cuts = shard(model) if shard is not None else None
         select = _shard_select(cuts, rename) if cuts is not None else None
         into, staging = None, None
+        # Plain weights are packed for oneDNN as they arrive, where oneDNN serves this dtype (see linear.py).
+        packs = device.type == "cpu" and not config.keep_plain_weights and onednn_usable(dtype)
         if device.type == "cpu":
-            staging = None if config.keep_plain_weights or not onednn_usable(dtype) else StagingPool()
+            staging = StagingPool() if packs else None
             # Weights served as stored are mapped from the file, not read (safetensors_read).
             mapping = dtype == torch.bfloat16 and plain_bf16_weights() and cuts is None
             into = MergedRows(model, dtype, rename, staging, map_weights=mapping)
         weights = model_weights(folder, hf_config, config, device, into, select)
         cut = cuts.cut if cuts is not None else None
-        packer = None if config.keep_plain_weights else LoadPacker(staging=staging)
+        packer = LoadPacker(staging=staging) if packs else None
         try:
             model.load_weights(weights, device=device, on_weight=packer, transform=cut)
         finally:

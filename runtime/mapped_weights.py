@@ -38,11 +38,12 @@ MOVER_NICE = 10
 
 @dataclass
 class _Mapped:
-    """One mapped tensor and where the model holds it: (module, parameter name) owners, or a module's parts."""
+    """One mapped tensor and where the model holds it: (module, parameter name) owners, or the module it is a
+    part of (``Linear.set_plain_parts``)."""
 
     tensor: torch.Tensor
     params: list[tuple[nn.Module, str]] = field(default_factory=list)
-    parts_of: list[tuple[nn.Module, int]] = field(default_factory=list)
+    part_of: nn.Module | None = None
 
 
 def mapped_tensors(models: list[nn.Module]) -> list[_Mapped]:
@@ -50,11 +51,11 @@ def mapped_tensors(models: list[nn.Module]) -> list[_Mapped]:
     found: dict[int, _Mapped] = {}
     for module in (m for model in models for m in model.modules()):
         for name, p in module.named_parameters(recurse=False):
-            if p.device.type == "cpu" and is_mapped(p):
+            if is_mapped(p):
                 found.setdefault(id(p), _Mapped(p)).params.append((module, name))
-        for i, part in enumerate(getattr(module, "_plain_parts", ())):
+        for part in getattr(module, "_plain_parts", ()):
             if is_mapped(part):
-                found.setdefault(id(part), _Mapped(part)).parts_of.append((module, i))
+                found.setdefault(id(part), _Mapped(part)).part_of = module
     return list(found.values())
 
 
@@ -72,17 +73,16 @@ def _swap(item: _Mapped, copy: torch.Tensor) -> None:
     param = nn.Parameter(copy, requires_grad=False)  # one object for every owner, as tied weights are
     for module, name in item.params:
         setattr(module, name, param)
-    for module in {id(m): m for m, _ in item.parts_of}.values():
-        parts = [copy if p is item.tensor else p for p in module._plain_parts]  # type: ignore[union-attr]
-        module.set_plain_parts(parts)  # type: ignore[operator]
+    if item.part_of is not None:
+        module = item.part_of
+        module.set_plain_parts([copy if p is item.tensor else p for p in module._plain_parts])  # type: ignore[operator,union-attr]
     unmap_pages(item.tensor)
 
 
 class WeightMover:
     """Moves the mapped tensors of ``models`` (the served model, a draft model) into fresh memory on a daemon
-    thread; ``post(fn)`` runs ``fn`` on the
-    engine thread between steps and returns its future (or raises once the engine is gone: the move stops).
-    ``done`` is set when every tensor has moved (or the move stopped)."""
+    thread; ``post(fn)`` runs ``fn`` on the engine thread between steps and returns its future (or raises once the
+    engine is gone: the move stops). ``done`` is set when every tensor has moved (or the move stopped)."""
 
     def __init__(self, models: list[nn.Module], post: Callable[[Callable[[], None]], Future[None]]) -> None:
         self.items = mapped_tensors(models)

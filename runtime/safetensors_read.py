@@ -141,6 +141,7 @@ class _FileMap:
     its storage (so the parts of a merged projection that lie side by side in the file are seen as one block)."""
 
     def __init__(self, f: Any) -> None:
+        self.size = os.fstat(f.fileno()).st_size
         self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         _MAPS[self.bytes.data_ptr()] = self._map
@@ -198,32 +199,36 @@ def iter_file(
         if hasattr(os, "posix_fadvise"):  # a larger read-ahead window off the disk
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for name in order:
-            view = _view(f, file_map, name, entries[name], start, select, mapped)
-            yield name, view if view is not None else _read(f, file, name, entries[name], start, into, select, scratch)
+            dtype, shape, offset = _entry(file, name, entries[name], start)
+            view = None
+            if mapped is not None and select is None and mapped(name, dtype, shape):
+                view = _view(f, file_map, offset, dtype, shape)
+            yield name, view if view is not None else _read(f, file, name, dtype, shape, offset, into, select, scratch)
 
 
-def _view(
-    f: Any, file_map: list[_FileMap], name: str, entry: Any, start: int, select: Select | None, mapped: Mapped | None
-) -> torch.Tensor | None:
-    """The tensor as a view of the file's map, where ``mapped`` asks for it whole; else None (``_read`` reads it)."""
-    if mapped is None:
-        return None
+def _entry(file: Path, name: str, entry: Any, start: int) -> tuple[torch.dtype, list[int], int]:
+    """A header entry's dtype, shape and absolute byte offset; ``ValueError`` names what is wrong with it."""
     try:
         dtype = DTYPES[entry["dtype"]]
         shape = [int(d) for d in entry["shape"]]
         begin, end = (int(o) for o in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        return None  # _read names what is wrong
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{file}: tensor {name!r} has a malformed or unsupported header entry {entry}") from exc
     nbytes = math.prod(shape) * dtype.itemsize
-    if end - begin != nbytes or (select is not None and select(name, dtype, shape) is not None):
-        return None
-    if not mapped(name, dtype, shape):
-        return None
+    if end - begin != nbytes:
+        raise ValueError(f"{file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}")
+    return dtype, shape, start + begin
+
+
+def _view(f: Any, file_map: list[_FileMap], offset: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor | None:
+    """The tensor at ``offset`` as a view of the file's map (made at the first one); None where the file is
+    truncated before its end (``_read`` says so: a map read past the end would kill the process with SIGBUS)."""
+    nbytes = math.prod(shape) * dtype.itemsize
     if not file_map:
-        if os.fstat(f.fileno()).st_size < start + end:
-            return None  # truncated: _read says so
         file_map.append(_FileMap(f))
-    return file_map[0].view(start + begin, nbytes, dtype, shape)
+    if file_map[0].size < offset + nbytes:
+        return None
+    return file_map[0].view(offset, nbytes, dtype, shape)
 
 
 def _offset(entry: Any) -> int:
@@ -294,21 +299,14 @@ def _read(
     f: Any,
     file: Path,
     name: str,
-    entry: dict[str, Any],
-    start: int,
+    dtype: torch.dtype,
+    shape: list[int],
+    offset: int,
     into: Destination | None,
     select: Select | None,
     scratch: list[np.ndarray],
 ) -> torch.Tensor:
-    try:
-        dtype = DTYPES[entry["dtype"]]
-        shape = [int(d) for d in entry["shape"]]
-        begin, end = (int(o) for o in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{file}: tensor {name!r} has a malformed or unsupported header entry {entry}") from exc
     nbytes = math.prod(shape) * dtype.itemsize
-    if end - begin != nbytes:
-        raise ValueError(f"{file}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs {nbytes}")
     cut = select(name, dtype, shape) if select is not None else None
     out_shape = cut.shape(shape) if cut is not None else shape
     out_bytes = math.prod(out_shape) * dtype.itemsize
@@ -322,17 +320,17 @@ def _read(
     view = memoryview(out.numpy())
     where = f"{file}: truncated: tensor {name!r}"
     if cut is None:
-        _fill(f, start + begin, view, where)
+        _fill(f, offset, view, where)
     else:
         row = nbytes // shape[0] if shape[0] else 0  # bytes of one row of the stored tensor
         done = 0
         for a, b in cut.rows:
             if cut.cols is None:  # whole rows: one read
-                _fill(f, start + begin + a * row, view[done : done + (b - a) * row], where)
+                _fill(f, offset + a * row, view[done : done + (b - a) * row], where)
                 done += (b - a) * row
             else:
                 span = ((a, b), cut.cols)
-                done = _read_columns(f, start + begin, row, span, dtype.itemsize, view, done, scratch, where)
+                done = _read_columns(f, offset, row, span, dtype.itemsize, view, done, scratch, where)
         out.numpy()[done:] = 0  # a vocabulary shard's padding rows, or a rank's zero bias
     return given if given is not None else out.view(dtype).reshape(out_shape)
 
