@@ -8,7 +8,9 @@ weights they read; this measures which kernel and which weight format make them 
 * ``bf16``: ``F.linear`` on bfloat16 weights and activations;
 * ``int8``: ``torch.ops.aten._weight_int8pack_mm`` (int8 weights, one scale per output channel, float32 activations);
 * ``int4-g{32,64,128}``: ``_weight_int4pack_mm_for_cpu`` (int4 weights, group-wise scales and zeros);
-* ``ours-Q8_0``, ``ours-Q4_1``: the engine's block kernels (``runtime/models/csrc/quant_linear.cpp``).
+* ``ours-Q8_0``, ``ours-Q4_1``: the engine's row-layout block kernel (``runtime/models/csrc/quant_linear.cpp``);
+  ``ours-Q8_0-packed``, ``ours-Q4_1-packed``: the 16-channel-group kernel (``quant_packed.cpp``, AVX-512 VNNI or
+  AVX2), which the engine serves where the CPU runs it.
 
     python -m bench.linear_kernels --rows 1,16,256 --shapes 576x1728,576x576,576x3072,1536x576,576x49152
 """
@@ -69,6 +71,9 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
     for qtype, quantize in quant.QUANTIZERS.items():  # ours: GGUF blocks, int8 activations
         blocks = quantize(w)
         out[f"ours-{qtype}"] = lambda x, blocks=blocks: quant.linear(x, blocks)
+        packed = blocks.pack()  # 16-channel groups, where this CPU runs the packed kernel (what the engine serves)
+        if packed.packed:
+            out[f"ours-{qtype}-packed"] = lambda x, packed=packed: quant.linear(x, packed)
     return out
 
 

@@ -45,7 +45,7 @@ def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
     if layout == "rows":
         return blocks
     if quant.packed_ops() is None:
-        pytest.skip("no AVX-512 VNNI on this CPU: weights keep their rows")
+        pytest.skip("neither AVX-512 VNNI nor AVX2 on this CPU: weights keep their rows")
     packed = blocks.pack()
     assert packed.packed
     if blocks.qtype != "Q4_K":  # the same bytes, the last group padded
@@ -53,9 +53,11 @@ def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
     return packed
 
 
-def _has_vnni() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512_vnni"))
+def _has_packed_kernel() -> bool:
+    """Whether this CPU runs the packed kernel: AVX-512 VNNI, or else AVX2 with FMA and F16C."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = set(text.split())
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or {"avx2", "fma", "f16c"} <= flags
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -149,7 +151,9 @@ def test_q4_k_is_served_as_it_is_by_the_packed_kernel() -> None:
     dense = torch.from_numpy(gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType.Q4_K))
     blocks = QuantTensor("Q4_K", torch.from_numpy(raw.reshape(n, -1)), (n, k))
     assert torch.equal(reference_dequantize(blocks), dense)
-    packed = _layout(blocks, "packed") if quant.packed_ops() is not None else pytest.skip("no AVX-512 VNNI")
+    if quant.packed_ops() is None:
+        pytest.skip("no packed kernel on this CPU")
+    packed = _layout(blocks, "packed")
     assert packed.nbytes == 5 * 16 * 2 * 148  # 16 bytes a super-block more than ggml's 144: scales as bytes
     assert torch.equal(packed.dequantize(), dense)
     assert torch.equal(quant.embedding(torch.tensor([66, 0]), packed), dense[[66, 0]])
@@ -165,7 +169,7 @@ def test_a_merged_projection_of_mixed_block_types_keeps_each_part_in_its_own() -
     from radixserve.runtime.models.loading import _assemble
 
     if quant.packed_ops() is None:
-        pytest.skip("no AVX-512 VNNI: mixed parts are re-quantized to Q8_0")
+        pytest.skip("no packed kernel on this CPU: mixed parts are re-quantized to Q8_0")
     gen = torch.Generator().manual_seed(10)
     q, k = (quant._random_blocks("Q4_K", n, 256, gen) for n in (64, 32))
     v = quant._random_blocks("Q6_K", 32, 256, gen)
@@ -184,11 +188,11 @@ def test_a_merged_projection_of_mixed_block_types_keeps_each_part_in_its_own() -
     assert torch.equal(layer.quant.dequantize(), dense)
 
 
-def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni() -> None:
-    assert (quant.packed_ops() is not None) == _has_vnni()
+def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni_or_avx2() -> None:
+    assert (quant.packed_ops() is not None) == _has_packed_kernel()
     w = quantize_q4_1(torch.randn(32, 64))
-    assert w.pack().packed == _has_vnni()
-    if _has_vnni():
+    assert w.pack().packed == _has_packed_kernel()
+    if _has_packed_kernel():
         with pytest.raises(ValueError, match="slice it before packing"):
             w.pack().rows(slice(0, 16))
 
@@ -290,7 +294,7 @@ def test_a_quantized_gguf_serves_its_blocks_and_matches_their_dequantization(
     assert weights["none"] == {} and set(weights["auto"].values()) == {qtype}
     assert weights["auto"].keys() >= {"Linear", "MergedLinear", "Embedding"}
     # The tiny model ties its head to the embedding: both read the head's one (packed) copy.
-    assert packed == {"Linear": _has_vnni(), "MergedLinear": _has_vnni(), "Embedding": _has_vnni()}
+    assert packed == dict.fromkeys(("Linear", "MergedLinear", "Embedding"), _has_packed_kernel())
     assert shared
     assert outs["auto"] == outs["none"]
 

@@ -6,10 +6,11 @@ merged projections) and permuting them (the q/k layout of llama.cpp) work on the
 
 ``linear(x, w)``: the compiled kernel reads the blocks as they are, 4-6x fewer bytes than a float32 weight, and
 multiplies them with x rounded to int8 per block (``reference_linear`` defines the arithmetic, llama.cpp's), for any
-number of rows, so that a row's result does not depend on its batch. On a CPU with AVX-512 VNNI a weight is first
-repacked (``QuantTensor.pack``: the same bytes, 16 output channels interleaved, ``csrc/quant_packed.cpp``), for
-which the kernel runs 2-4x fewer instructions per weight: the layers a decode step runs are then bound by memory,
-not by the kernel's bookkeeping. Without the kernel (no compiler, not a CPU)
+number of rows, so that a row's result does not depend on its batch. On a CPU with AVX-512 VNNI or AVX2 a weight
+is first repacked (``QuantTensor.pack``: the same bytes, 16 output channels interleaved, ``csrc/quant_packed.cpp``
+and ``csrc/quant_packed_avx2.h``), for which the kernel runs 2-4x fewer instructions per weight: the layers a
+decode step runs are then bound by memory, not by the kernel's bookkeeping. Both packed kernels give the same bits;
+the K-quants (Q4_K, Q6_K) are served as they are only by them. Without the kernel (no compiler, not a CPU)
 the weight is unpacked to float and multiplied exactly. ``reference_dequantize`` and ``reference_linear`` are the
 pure-PyTorch definitions the kernels are checked against.
 """
@@ -57,8 +58,8 @@ def row_bytes(qtype: str, k: int) -> int:
 @dataclass(frozen=True)
 class QuantTensor:
     """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, row_bytes(qtype, K)]``, rows as ggml writes them; or,
-    ``packed``, ``[ceil(N / 16), 16 * row_bytes(qtype, K)]``: groups of 16 channels interleaved for the AVX-512
-    VNNI kernel (the same bytes, the last group padded; Q4_K's scales as bytes, 148 per 256 weights), made by
+    ``packed``, ``[ceil(N / 16), 16 * row_bytes(qtype, K)]``: groups of 16 channels interleaved for the packed
+    kernel (the same bytes, the last group padded; Q4_K's scales as bytes, 148 per 256 weights), made by
     ``pack`` once the weight is final (row slicing, merging and permuting need the row layout)."""
 
     qtype: str
@@ -251,8 +252,9 @@ def quant_ops():  # noqa: ANN201 - the compiled module, or None
 
 @functools.cache
 def packed_ops():  # noqa: ANN201 - the compiled module, or None
-    """The 16-channel-group kernels where this CPU has AVX-512 VNNI and they agree with ``reference_linear`` (and
-    the row layout's unpacking) on every block type and row count 1-7; or ``None`` (weights keep their rows)."""
+    """The 16-channel-group kernels where this CPU has AVX-512 VNNI or AVX2 (with FMA and F16C; the build picks
+    one) and they agree with ``reference_linear`` (and the row layout's unpacking) on every block type and row
+    count 1-7; or ``None`` (weights keep their rows)."""
     kernels = load_kernels()
     if kernels is None or quant_ops() is None or not kernels.quant_packed.supported():
         return None

@@ -101,6 +101,21 @@ struct QuantRows {
   std::vector<int32_t> qsum, half;  // [M, nb]
 };
 
+#if defined(RS_AVX2) && !defined(__AVX512F__)
+// 8 consecutive values widened to float32 (a bfloat16 is the top half of a float32: exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
 // x (float32 or bfloat16) rounded per block of 32: dx = max|x| / 127, q = nearest-even(x * (1 / dx)) (the
 // vector conversion's default rounding is nearbyint's, so both paths give the same bytes).
 template <typename T>
@@ -125,6 +140,25 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& out) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * QK + 16), _mm512_cvtsepi32_epi8(q1));
       const int32_t half = _mm512_reduce_add_epi32(q0);
       const int32_t qsum = half + _mm512_reduce_add_epi32(q1);
+#elif defined(RS_AVX2)
+      __m256 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = load8(xb + 8 * k);
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 m = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
+      m = _mm256_max_ps(m, _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float d = _mm_cvtss_f32(m4) / 127.0f;
+      const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+      __m256i q[4];  // nearest-even, as nearbyint (the default rounding mode)
+      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+      // int32 -> int8 with saturation; the packs interleave 128-bit lanes, the permutation restores the order.
+      const __m256i b16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * QK),
+                          _mm256_permutevar8x32_epi32(b16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const int32_t half = hsum_i32(_mm256_add_epi32(q[0], q[1]));
+      const int32_t qsum = half + hsum_i32(_mm256_add_epi32(q[2], q[3]));
 #else
       float amax = 0.0f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));

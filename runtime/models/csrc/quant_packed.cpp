@@ -1,4 +1,5 @@
-// Block-quantized linear layers with 16 output channels interleaved, for AVX-512 VNNI (llama.cpp's repacking idea).
+// Block-quantized linear layers with 16 output channels interleaved, for AVX-512 VNNI, and for AVX2 in
+// quant_packed_avx2.h (llama.cpp's repacking idea).
 //
 // quant_linear.cpp reads a weight row by row: per block of 32 weights it unpacks one channel, multiplies it with the
 // activations in 256-bit lanes and sums the lanes, so half its instructions are bookkeeping and a decode step is
@@ -26,15 +27,22 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <sys/mman.h>
 
 #include "../../csrc/simd.h"
 
+// RS_PACKED: this build has a packed kernel, RS_PACKED_512 (AVX-512 VNNI) or RS_PACKED_AVX2.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define RS_PACKED 1
+#define RS_PACKED_512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RS_PACKED 1
+#define RS_PACKED_AVX2 1
 #endif
 
 namespace radixserve_quant_packed {
@@ -53,7 +61,12 @@ constexpr int64_t PREFETCH_BYTES = 12 << 10;
 // 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x 2048 at 64 and 1,024 rows;
 // a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations).
 constexpr int64_t TILE_WEIGHT_BYTES = 256 << 10, TILE_ACT_BYTES = 256 << 10;
+// Rows a kernel call keeps in registers: AVX-512's 32 registers hold 8 rows' sums; AVX2's 16 hold 4 (one half).
+#ifdef RS_PACKED_512
 constexpr int MAX_MR = 8;
+#else
+constexpr int MAX_MR = 4;
+#endif
 constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14;
 // ggml's block_q4_K and block_q6_K: 256 weights each; a packed Q4_K keeps its 6-bit scales as bytes (148 B).
 constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q6_K_BYTES = 210;
@@ -104,7 +117,7 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
   }
 }
 
-#ifdef RS_PACKED
+#ifdef RS_PACKED_512
 inline __m512 fp16x16_to_float(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -157,7 +170,11 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
   for (int64_t b = 0; b < nb; ++b) unpack_channel(row, b, type, c, out + b * QK);
 }
 
-#ifdef RS_PACKED
+#ifdef RS_PACKED_AVX2
+#include "quant_packed_avx2.h"
+#endif
+
+#ifdef RS_PACKED_512
 // MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
 template <int64_t TYPE, int MR, typename T, typename R>
 void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
@@ -408,7 +425,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, int64_t type, int64_t K, 
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && (bf || x.scalar_type() == torch::kFloat32),
               "quant_packed: x [M, K] float32 or bfloat16");
 #ifndef RS_PACKED
-  TORCH_CHECK(false, "quant_packed: this build has no AVX-512 VNNI");
+  TORCH_CHECK(false, "quant_packed: this build has neither AVX-512 VNNI nor AVX2");
 #else
   x = x.contiguous();
   auto y = torch::empty({x.size(0), N}, x.options());
@@ -455,7 +472,7 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids, int64_t type, int64_t K, 
 void register_quant_packed(pybind11::module_& parent) {
   namespace qp = radixserve_quant_packed;
   auto m = parent.def_submodule("quant_packed");
-  m.def("supported", &qp::supported, "whether this build has the AVX-512 VNNI kernel");
+  m.def("supported", &qp::supported, "whether this build has the packed kernel (AVX-512 VNNI or AVX2)");
   m.def("pack", &qp::pack, "blocks -> 16-channel groups", py::call_guard<py::gil_scoped_release>());
   m.def("linear", &qp::linear, "x @ dequant(w)^T for 16-channel groups", py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &qp::dequantize, "float32 matrix of 16-channel groups", py::call_guard<py::gil_scoped_release>());

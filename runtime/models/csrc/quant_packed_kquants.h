@@ -131,7 +131,7 @@ void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
   }
 }
 
-#ifdef RS_PACKED
+#ifdef RS_PACKED_512
 inline __m512 int8x16_to_float(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }

@@ -1,0 +1,244 @@
+// quant_packed.cpp's kernels for CPUs with AVX2 and no AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake): the same
+// 16-channel groups, the same integer sums and the same float32 operations in the same order, so a product gives
+// the bits of the AVX-512 kernel. Included by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow,
+// Q6Row) and Acts; not a stand-alone header.
+//
+// A 256-bit register holds 8 channels' 4 weights, so a group is two halves of 8 channels. AVX2 has no vpdpbusd:
+// vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
+// into the int32 lane of the channel. The int16 sums are exact while they cannot overflow: a 4-bit level times an
+// activation is at most 15 x 127, so a block's 8 pair sums add up in int16 and widen once (30,480 at most); Q6_K's
+// 6-bit levels widen every 2 (32,004); Q8_0's levels are signed, so each product takes |w| and x with w's sign
+// (llama.cpp's trick; |w| <= 128, so a pair sum is at most 32,512) and widens at once.
+//
+// With one row of activations (decode) both halves run in one pass over the group's bytes; with more, one half at
+// a time (AVX2 has 16 vector registers: 2 halves x MR rows of float and int16 sums do not fit), the second pass
+// finding the group's bytes in cache.
+#pragma once
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline __m256 fp16x8_to_float(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 u8x8_to_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 i8x8_to_float(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// As quant_packed.cpp's AVX-512 prefetch: block b's bytes PREFETCH_BYTES ahead.
+inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
+  const char* ahead = reinterpret_cast<const char*>(row) + b * block + PREFETCH_BYTES;
+  for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+}
+
+// MR rows' 8 outputs of channels [c0, c0 + 8) (those below N). bfloat16 rounds as c10 does: to nearest even, the
+// bits of the AVX-512 kernel's conversion.
+template <int MR, typename T>
+inline void store_half(const __m256* acc, T* y, int64_t m0, int64_t N, int64_t c0) {
+  const int64_t valid = std::min<int64_t>(8, N - c0);
+  for (int r = 0; r < MR; ++r) {
+    T* out = y + (m0 + r) * N + c0;
+    if constexpr (std::is_same_v<T, float>) {
+      if (valid == 8) {
+        _mm256_storeu_ps(out, acc[r]);
+        continue;
+      }
+    }
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    for (int64_t i = 0; i < valid; ++i) out[i] = static_cast<T>(tmp[i]);
+  }
+}
+
+// One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
+// for the 32-weight types: s[NH * r + h] (int32 lane c: channel c's sum over the block's 32 weights).
+template <int64_t TYPE, int MR, int NH>
+inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* q, int h0, __m256i* s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (TYPE == Q8_0) {
+    for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      for (int h = 0; h < NH; ++h) {
+        const __m256i w = _mm256_xor_si256(load32(q + 64 * j + 32 * (h0 + h)), _mm256_set1_epi8(-128));
+        const __m256i aw = _mm256_abs_epi8(w);  // -128 -> 0x80, which vpmaddubsw reads as 128
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x = bcast4(a.q.data() + ((m0 + r) * nb + b) * QK + 4 * j);
+          const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
+          s[NH * r + h] = _mm256_add_epi32(s[NH * r + h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+  } else {
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i p[MR * NH];
+    for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      for (int h = 0; h < NH; ++h) {
+        const __m256i raw = load32(q + 64 * j + 32 * (h0 + h));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)),
+                                             _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+          p[NH * r + h] = _mm256_add_epi16(p[NH * r + h], t);
+        }
+      }
+    }
+    for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_madd_epi16(p[i], ones);
+  }
+}
+
+// MR rows against NH halves of group g starting at half h0: y[m0 + r][16 g + 8 h ...] (those below N). The float
+// operations are group_rows' (AVX-512) lane for lane.
+template <int64_t TYPE, int MR, int NH, typename T, typename R>
+void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y, bool first) {
+  const int64_t nb = K / QK, block = group_block_bytes(TYPE);
+  __m256 acc[MR * NH];
+  for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 d[NH], dmin[NH];  // Q4_K: the super-block's
+  for (int h = 0; h < NH; ++h) d[h] = dmin[h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) prefetch(row.row, b, block);
+    __m256 dw[NH], mw[NH];
+    for (int h = 0; h < NH; ++h) {
+      const int c = 8 * (h0 + h);  // the half's first channel in the group
+      if constexpr (TYPE == Q4_K) {
+        if (b % 8 == 0) {
+          d[h] = fp16x8_to_float(row.d(b) + 2 * c);
+          dmin[h] = fp16x8_to_float(row.dmin(b) + 2 * c);
+        }
+        dw[h] = _mm256_mul_ps(d[h], u8x8_to_float(row.scales(b) + c));
+        mw[h] = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin[h]), u8x8_to_float(row.mins(b) + c));
+      } else {
+        dw[h] = fp16x8_to_float(row.scales(b) + 2 * c);
+        if constexpr (TYPE == Q4_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
+      }
+    }
+    __m256i s[MR * NH];
+    block_sums<TYPE, MR, NH>(a, m0, nb, b, row.quants(b), h0, s);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      for (int h = 0; h < NH; ++h) {
+        __m256i si = s[NH * r + h];
+        if constexpr (TYPE == Q4_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * a.qsum[i]));
+        __m256& out = acc[NH * r + h];
+        out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw[h], _mm256_set1_ps(a.d[i])), out);
+        if constexpr (TYPE == Q4_1 || TYPE == Q4_K) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    __m256 part[MR];
+    for (int r = 0; r < MR; ++r) part[r] = acc[NH * r + h];
+    store_half<MR>(part, y, m0, N, g * G + 8 * (h0 + h));
+  }
+}
+
+// The Q6_K version of half_rows (see group_rows_q6): 6-bit levels from the nibbles and the top bits, one integer
+// sum per sub-block of 16, 32 x the rounded activations' sums taken off, scaled by d * scale.
+template <int MR, int NH, typename T>
+void half_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_t N, int64_t g, int h0, T* y,
+                  bool first) {
+  const int64_t nb = K / QK, block = G * Q6_K_BYTES / 8;
+  const __m256i low = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR * NH];
+  for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 d[NH];
+  for (int h = 0; h < NH; ++h) d[h] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (first) prefetch(row.row, b, block);
+    const int8_t* sc = row.scales(b);
+    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
+    __m256i s0[MR * NH], s1[MR * NH];
+    for (int i = 0; i < MR * NH; ++i) s0[i] = s1[i] = _mm256_setzero_si256();
+    __m256 sc0[NH], sc1[NH];
+    for (int h = 0; h < NH; ++h) {
+      const int c = 8 * (h0 + h);
+      if (b % 8 == 0) d[h] = fp16x8_to_float(row.d(b) + 2 * c);
+      sc0[h] = _mm256_mul_ps(d[h], i8x8_to_float(sc + c));
+      sc1[h] = _mm256_mul_ps(d[h], i8x8_to_float(sc + 16 + c));
+      const __m256i t0 = load32(tp + 4 * c), t1 = load32(tp + 64 + 4 * c);
+      for (int jj = 0; jj < 4; jj += 2) {  // two j's of int16 sums, then widened
+        __m256i p0[MR], p1[MR];
+        for (int r = 0; r < MR; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
+        for (int j = jj; j < jj + 2; ++j) {
+          const __m256i raw = load32(nib + 64 * j + 4 * c);
+          // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (what a 16-bit shift moves across bytes is masked).
+          __m256i u0, u1;
+          switch (j) {
+            case 0: u0 = _mm256_slli_epi16(t0, 4); u1 = _mm256_slli_epi16(t1, 4); break;
+            case 1: u0 = _mm256_slli_epi16(t0, 2); u1 = _mm256_slli_epi16(t1, 2); break;
+            case 2: u0 = t0; u1 = t1; break;
+            default: u0 = _mm256_srli_epi16(t0, 2); u1 = _mm256_srli_epi16(t1, 2); break;
+          }
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(u0, top2));
+          const __m256i hi =
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(u1, top2));
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
+            p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+            p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+          }
+        }
+        for (int r = 0; r < MR; ++r) {
+          s0[NH * r + h] = _mm256_add_epi32(s0[NH * r + h], _mm256_madd_epi16(p0[r], ones));
+          s1[NH * r + h] = _mm256_add_epi32(s1[NH * r + h], _mm256_madd_epi16(p1[r], ones));
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * nb + b;
+      for (int h = 0; h < NH; ++h) {
+        const __m256i c0 = _mm256_sub_epi32(s0[NH * r + h], _mm256_set1_epi32(32 * a.half[i]));
+        const __m256i c1 = _mm256_sub_epi32(s1[NH * r + h], _mm256_set1_epi32(32 * (a.qsum[i] - a.half[i])));
+        const __m256 t =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), sc1[h], _mm256_mul_ps(_mm256_cvtepi32_ps(c0), sc0[h]));
+        acc[NH * r + h] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[i]), acc[NH * r + h]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    __m256 part[MR];
+    for (int r = 0; r < MR; ++r) part[r] = acc[NH * r + h];
+    store_half<MR>(part, y, m0, N, g * G + 8 * (h0 + h));
+  }
+}
+
+// MR rows against NH halves with the kernel of the weight's type.
+template <int64_t TYPE, int MR, int NH, typename T, typename R>
+inline void halves_of(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y,
+                      bool first) {
+  if constexpr (TYPE == Q6_K) {
+    half_rows_q6<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
+  } else {
+    half_rows<TYPE, MR, NH, T, R>(a, m0, K, row, N, g, h0, y, first);
+  }
+}
+
+// Rows [m0, m1) against group g: one row both halves in one pass; more rows MAX_MR at a time, half by half (a half
+// whose channels are all padding is skipped).
+template <int64_t TYPE, typename T, typename R>
+void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
+  if (m1 - m0 == 1) {
+    halves_of<TYPE, 1, 2, T, R>(a, m0, K, row, N, g, 0, y, true);
+    return;
+  }
+  for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
+    int64_t m = m0;
+    for (; m + MAX_MR <= m1; m += MAX_MR) halves_of<TYPE, MAX_MR, 1, T, R>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
+    const bool first = h == 0 && m == m0;
+    switch (m1 - m) {
+      case 3: halves_of<TYPE, 3, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
+      case 2: halves_of<TYPE, 2, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
+      case 1: halves_of<TYPE, 1, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
+      default: break;
+    }
+  }
+}
