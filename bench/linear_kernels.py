@@ -71,9 +71,9 @@ def candidates(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
     for qtype, quantize in quant.QUANTIZERS.items():  # ours: GGUF blocks, int8 activations
         blocks = quantize(w)
         out[f"ours-{qtype}"] = lambda x, blocks=blocks: quant.linear(x, blocks)
-        packed = blocks.pack()  # 16-channel groups, where this CPU runs the packed kernel (what the engine serves)
-        if packed.packed:
-            out[f"ours-{qtype}-packed"] = lambda x, packed=packed: quant.linear(x, packed)
+        groups = blocks.pack()  # 16-channel groups, where this CPU runs the packed kernel (what the engine serves)
+        if groups.packed:
+            out[f"ours-{qtype}-packed"] = lambda x, groups=groups: quant.linear(x, groups)
     return out
 
 

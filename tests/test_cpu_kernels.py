@@ -19,8 +19,9 @@ def op():
     return kernel
 
 
-# (query heads, KV heads, head size): AVX-512 paths (64, 128; group sizes 1-8) and the generic one (others).
-SHAPES = [(9, 3, 64), (32, 8, 128), (8, 1, 64), (7, 7, 64), (12, 4, 80), (4, 2, 16)]
+# (query heads, KV heads, head size): AVX-512 paths (64, 128; group sizes 1-8), the AVX2 one (a multiple of 8, on a
+# CPU without AVX-512) and the generic one (others).
+SHAPES = [(9, 3, 64), (32, 8, 128), (8, 1, 64), (7, 7, 64), (12, 4, 80), (4, 2, 16), (6, 2, 36)]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)

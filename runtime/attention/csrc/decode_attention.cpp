@@ -28,6 +28,10 @@
 
 #include "../../csrc/simd.h"
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace radixserve_decode_attention {
 namespace {
 
@@ -163,6 +167,115 @@ Kernel<T> pick(int64_t D, int64_t G) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define RS_DECODE_AVX2 1
+// CPUs with AVX2 and no AVX-512 (AMD Zen 2/3, older Intel): the generic loop's dot products are float reductions,
+// which the compiler keeps scalar (one dependent add per dimension); here they run 8 lanes at a time.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0 (softmax numerators): x = n ln2 + r, e^r by the degree-7 Taylor polynomial of simd.h's exp, times
+// 2^n built in the exponent bits. Below -87 the result is e^-87 (~1e-38, nothing against the row's largest term,
+// which is 1); a NaN stays NaN.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // (max returns its second operand for a NaN)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+constexpr int64_t PREFETCH = 16;  // rows ahead, as the AVX-512 kernel
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
+}
+
+// attend_generic's result for D % 8 == 0, with the AVX-512 kernel's order of operations: q scaled first, each
+// key's products summed in 8 lanes. ``qf`` holds G * D floats of scratch.
+template <typename T>
+void attend_avx2(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t L, int64_t G,
+                 int64_t D, float scale, float* scores, float* qf, float* out, float* lse) {
+  for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
+  std::vector<float> mx(static_cast<size_t>(G), -std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < L; ++j) {
+    if (j + PREFETCH < L) prefetch_row(keys + slots[j + PREFETCH] * D, D);
+    const T* k = keys + slots[j] * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m256 a0 = _mm256_mul_ps(load8(qg), load8(k)), a1 = _mm256_setzero_ps();
+      int64_t d = 8;
+      for (; d + 16 <= D; d += 16) {
+        a1 = _mm256_fmadd_ps(load8(qg + d), load8(k + d), a1);
+        a0 = _mm256_fmadd_ps(load8(qg + d + 8), load8(k + d + 8), a0);
+      }
+      if (d < D) a1 = _mm256_fmadd_ps(load8(qg + d), load8(k + d), a1);
+      const float sc = hsum8(_mm256_add_ps(a0, a1));
+      scores[g * L + j] = sc;
+      mx[g] = sc > mx[g] ? sc : mx[g];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    const __m256 mv = _mm256_set1_ps(mx[g]);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) {
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sg + j), mv));
+      _mm256_storeu_ps(sg + j, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    if (j < L) {
+      alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t t = j; t < L; ++t) tail[t - j] = sg[t] - mx[g];
+      alignas(32) float e[8];
+      _mm256_store_ps(e, exp_nonpositive(_mm256_load_ps(tail)));
+      for (int64_t t = j; t < L; ++t) {
+        sg[t] = e[t - j];
+        sum += e[t - j];
+      }
+    }
+    lse[g] = mx[g] + std::log(sum);
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    // The weighted values, 64 dimensions (8 registers) at a time.
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int nv = static_cast<int>(std::min<int64_t>(64, D - d0) / 8);
+      __m256 acc_v[8];
+      for (int v = 0; v < 8; ++v) acc_v[v] = _mm256_setzero_ps();
+      for (int64_t jj = 0; jj < L; ++jj) {
+        if (g == 0 && d0 == 0 && jj + PREFETCH < L) prefetch_row(values + slots[jj + PREFETCH] * D, D);
+        const T* vrow = values + slots[jj] * D + d0;
+        const __m256 p = _mm256_set1_ps(sg[jj]);
+        for (int v = 0; v < nv; ++v) acc_v[v] = _mm256_fmadd_ps(p, load8(vrow + 8 * v), acc_v[v]);
+      }
+      for (int v = 0; v < nv; ++v) _mm256_storeu_ps(out + g * D + d0 + 8 * v, _mm256_mul_ps(acc_v[v], inv));
+    }
+  }
+}
+#endif
+
 // Any head size and group size, without SIMD intrinsics: the compiler vectorizes what it can.
 template <typename T>
 void attend_generic(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t L,
@@ -213,6 +326,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(static_cast<size_t>(G * D));
+#ifdef RS_DECODE_AVX2
+    std::vector<float> qf(static_cast<size_t>(G * D));
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = lp[b];
@@ -232,6 +348,11 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
 #ifdef __AVX512F__
       if (fast != nullptr) {
         fast(qb, keys, values, sp + b * W, L, sc, scores.data(), ofl, lb);
+      } else
+#endif
+#ifdef RS_DECODE_AVX2
+      if (D % 8 == 0) {
+        attend_avx2<T>(qb, keys, values, sp + b * W, L, G, D, sc, scores.data(), qf.data(), ofl, lb);
       } else
 #endif
       {
