@@ -56,6 +56,7 @@ SOURCES = (
     RUNTIME / "models" / "csrc" / "quant_packed_avx2.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
+    RUNTIME / "models" / "csrc" / "decode_stack.cpp",
 )
 
 

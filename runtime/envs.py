@@ -58,6 +58,12 @@ def tune_threads() -> bool:
     return get_bool("TUNE_THREADS", True)
 
 
+def decode_stack() -> bool:
+    """``RADIXSERVE_DECODE_STACK=0`` runs decode steps layer by layer in Python instead of in one compiled call
+    (``runtime.models.decode_stack``; the results are the same)."""
+    return get_bool("DECODE_STACK", True)
+
+
 def cpu_kernels() -> bool:
     """``RADIXSERVE_CPU_KERNELS=0`` keeps CPU attention on PyTorch ops instead of the compiled kernels of
     ``runtime.attention.cpu_kernels`` (built once per machine)."""

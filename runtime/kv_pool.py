@@ -52,6 +52,12 @@ class KVPool:
             kv[1].index_copy_(1, slots, v.transpose(0, 1))
 
     @property
+    def layers(self) -> torch.Tensor:
+        """Every layer's keys and values, ``[num_layers, 2, num_kv_heads, num_slots, head_dim]`` (``kv`` is its
+        per-layer views)."""
+        return self._kv
+
+    @property
     def nbytes(self) -> int:
         return self._kv.nbytes
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from radixserve.runtime.models import decode_stack
 from radixserve.runtime.safetensors_read import is_mapped, unmap_pages
 
 logger = logging.getLogger("radixserve.model")
@@ -91,7 +92,10 @@ class WeightMover:
         self.moved_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights-move", daemon=True)
+        self.models = models
         if self.items:
+            for model in models:  # the decode stack holds weight tensors: none while they move
+                decode_stack.suspend(model)
             self._thread.start()
             atexit.register(self.close)
         else:
@@ -130,4 +134,6 @@ class WeightMover:
             logger.info("weights stay mapped from the checkpoint (%s: %s)", type(exc).__name__, exc)
         finally:
             self.items = []
+            for model in self.models:
+                decode_stack.invalidate(model)  # built again, over the moved weights, at the next decode step
             self.done.set()

@@ -87,6 +87,11 @@ class AttentionBackend(ABC):
         is handed to each ``forward`` call of that pass as ``state``."""
         return None
 
+    def kernel_decode_rows(self, meta: AttentionMetadata, state: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(slots [B, W], lens [B]) when every row of this step is a decode row that the compiled CPU decode kernel
+        attends with that slot table (``runtime.models.decode_stack`` then runs the layers in one call); else None."""
+        return None
+
     @abstractmethod
     def forward(
         self,
@@ -112,9 +117,18 @@ class ForwardContext:
     _state: Any = field(default=None, init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
 
+    def _prepare(self) -> Any:
+        if not self._prepared:
+            self._state, self._prepared = self.backend.prepare(self.meta, self.pool), True
+        return self._state
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttnOptions = PLAIN
     ) -> torch.Tensor:
-        if not self._prepared:
-            self._state, self._prepared = self.backend.prepare(self.meta, self.pool), True
-        return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._state, options)
+        return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._prepare(), options)
+
+    def kernel_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The backend's ``kernel_decode_rows`` for this step (preparing it), or None."""
+        if self.meta.extends or not self.meta.num_decode:
+            return None
+        return self.backend.kernel_decode_rows(self.meta, self._prepare())

@@ -212,6 +212,14 @@ class TorchReferenceBackend(AttentionBackend):
             in_kernel = (torch.cat(chunk_slots), table)
         return _StepState(decode, tuple(extends), short_extends=tuple(short), kernel_extends=in_kernel)
 
+    def kernel_decode_rows(
+        self, meta: AttentionMetadata, state: _StepState
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        decode = state.decode
+        if meta.extends or decode is None or decode.key_index is not None or self._decode_kernel is None:
+            return None
+        return decode.slots, decode.lens
+
     def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``kv.view(-1, D)[index]``, into the reused workspace when it is small enough."""
         flat = kv.view(-1, kv.shape[-1])

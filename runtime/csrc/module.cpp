@@ -9,6 +9,8 @@
 #include "../models/csrc/fused_ops.cpp"
 #include "../models/csrc/quant_linear.cpp"
 #include "../models/csrc/quant_packed.cpp"
+// After the kernels it calls.
+#include "../models/csrc/decode_stack.cpp"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_attention(m);
@@ -17,4 +19,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_packed(m);
   register_fused_ops(m);
   register_bf16_linear(m);
+  register_decode_stack(m);
 }

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.runtime.attention.base import AttnOptions, ForwardContext
-from radixserve.runtime.models import fused, loading
+from radixserve.runtime.models import decode_stack, fused, loading
 from radixserve.runtime.models.args import ModelArgs
 from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES, checkpoint_names
 from radixserve.runtime.models.linear import Embedding, Linear
@@ -229,6 +229,11 @@ class LlamaForCausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids).to(rope[0].dtype)
         if self.args.embed_scale is not None:  # Gemma: the scale rounded to the activations' dtype, as HF does
             residual = residual * torch.tensor(self.args.embed_scale, dtype=residual.dtype)
+        stack = decode_stack.stack_for(self, residual, ctx)
+        if stack is not None:  # every layer in one compiled call: the same kernels, the same bits
+            kernel, slots, lens = stack
+            x = kernel.forward(residual, *rope, ctx.pool.layers, ctx.meta.out_slots, slots, lens)
+            return self.model.norm.add_forward(x, residual)
         x = None
         for i, layer in enumerate(self.model.layers):
             x = layer(x, residual, local if self.args.window(i) is not None else rope, ctx)

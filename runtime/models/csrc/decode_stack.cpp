@@ -1,0 +1,158 @@
+// Every decoder layer of a decode step in one call: the same kernels as the Python layers, in the same order, with
+// no Python between them.
+//
+// At one to a few rows a step of a small model is mostly host work: SmolLM2-135M runs ~400 small calls a step
+// (30 layers of norms, projections, RoPE, KV writes, attention), each a Python frame, a module call and a kernel
+// launch, ~40% of a one-user step on two cores. Here a layer is a handful of C++ calls into the kernels that
+// runtime/models/llama.py calls (fused_ops, quant_packed, bf16_linear, decode_attention), so the result is the
+// Python path's to the bit (runtime/models/decode_stack.py builds the stack and says when it applies; the Python
+// layers stay the reference and the path for everything else).
+//
+// Per layer, for T decode rows (one query token each; the shared decoder of llama.py with plain attention):
+//   h = add_rms_norm(x, residual, w_in)           (rms_norm(residual) on the first layer; residual updated in place)
+//   qkv = qkv_proj(h); RoPE on q and k in place; k, v written to the layer's pool slots
+//   o = o_proj(decode_attention(q, pool, slots, lens))
+//   h = add_rms_norm(o, residual, w_post);  x = down_proj(silu_mul(gate_up_proj(h)))
+// and the last layer's x is returned (the caller adds it and applies the final norm).
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace radixserve_decode_stack {
+
+// A linear layer as the Python Linear would run it at these rows.
+struct LinearOp {
+  // 0: packed blocks (quant_packed; one call per part, outputs side by side), 1: bfloat16 parts (bf16_linear),
+  // 2: a plain weight (at::linear).
+  int64_t kind = 0;
+  std::vector<torch::Tensor> weights;
+  std::vector<int64_t> types, outs;  // kind 0: each part's block type and output size
+  int64_t in = 0;
+  torch::Tensor bias;  // undefined: none
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == 0) {
+      torch::Tensor y;
+      if (weights.size() == 1) {
+        y = radixserve_quant_packed::linear(x, weights[0], types[0], in, outs[0]);
+      } else {
+        std::vector<torch::Tensor> parts;
+        for (size_t i = 0; i < weights.size(); ++i)
+          parts.push_back(radixserve_quant_packed::linear(x, weights[i], types[i], in, outs[i]));
+        y = torch::cat(parts, 1);
+      }
+      return bias.defined() ? y + bias : y;
+    }
+    if (kind == 1) return radixserve_bf16_linear::linear(x, weights, bias.defined() ? bias : torch::Tensor());
+    return bias.defined() ? at::linear(x, weights[0], bias) : at::linear(x, weights[0]);
+  }
+};
+
+LinearOp make_linear(int64_t kind, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
+                     std::vector<int64_t> outs, int64_t in, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(kind >= 0 && kind <= 2 && !weights.empty(), "decode_stack: linear kind 0-2 with weights");
+  TORCH_CHECK(kind != 0 || (types.size() == weights.size() && outs.size() == weights.size()),
+              "decode_stack: a block type and an output size per packed part");
+  LinearOp op;
+  op.kind = kind;
+  op.weights = std::move(weights);
+  op.types = std::move(types);
+  op.outs = std::move(outs);
+  op.in = in;
+  if (bias.has_value()) op.bias = *bias;
+  return op;
+}
+
+struct Layer {
+  torch::Tensor norm_in, norm_post;
+  LinearOp qkv, o, gate_up, down;
+};
+
+class Stack {
+ public:
+  Stack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0, "decode_stack: head shapes");
+  }
+
+  void add_layer(torch::Tensor norm_in, torch::Tensor norm_post, LinearOp qkv, LinearOp o, LinearOp gate_up,
+                 LinearOp down) {
+    layers_.push_back({std::move(norm_in), std::move(norm_post), std::move(qkv), std::move(o), std::move(gate_up),
+                       std::move(down)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // residual [T, hidden] (the embeddings, updated in place); cos / signed_sin [T, 1, D]; kv the pool's
+  // [layers, 2, Hkv, N, D]; out_slots [T] where each row's k and v go; slots [T, W] / lens [T] the rows' keys, as
+  // the decode-attention kernel takes them (its own slot included). Returns the last layer's MLP output.
+  torch::Tensor forward(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
+                        torch::Tensor out_slots, torch::Tensor slots, torch::Tensor lens) const {
+    const int64_t T = residual.size(0), h = heads_, hkv = kv_heads_, d = head_dim_;
+    TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_stack: residual [T, hidden]");
+    TORCH_CHECK(kv.dim() == 5 && kv.size(0) == num_layers() && kv.size(2) == hkv && kv.size(4) == d &&
+                    kv.is_contiguous() && kv.scalar_type() == residual.scalar_type(),
+                "decode_stack: kv [layers, 2, Hkv, N, D] in the activations' dtype");
+    TORCH_CHECK(out_slots.dim() == 1 && out_slots.size(0) == T && out_slots.scalar_type() == torch::kInt64,
+                "decode_stack: a slot per row");
+    out_slots = out_slots.contiguous();
+    const int64_t N = kv.size(3);
+    const int64_t* op = out_slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(op[t] >= 0 && op[t] < N, "decode_stack: slot out of range");
+    const double scale = std::pow(static_cast<double>(d), -0.5);  // Python's d**-0.5
+    torch::Tensor x;
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      const Layer& layer = layers_[i];
+      torch::Tensor hn = x.defined() ? radixserve_fused_ops::add_rms_norm(x, residual, layer.norm_in, eps_)
+                                     : radixserve_fused_ops::rms_norm(residual, layer.norm_in, eps_);
+      torch::Tensor qkv = layer.qkv(hn);
+      torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({T, h + hkv, d});
+      radixserve_fused_ops::rope(qk, cos, sin);
+      torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({T, hkv, d});
+      torch::Tensor pool = kv[i];
+      store(pool, op, qk, h, v);
+      torch::Tensor att =
+          radixserve_decode_attention::decode_attention(qk.narrow(1, 0, h).contiguous(), pool, slots, lens, scale)[0];
+      torch::Tensor o = layer.o(att.view({T, h * d}));
+      torch::Tensor h2 = radixserve_fused_ops::add_rms_norm(o, residual, layer.norm_post, eps_);
+      x = layer.down(radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
+    }
+    return x;
+  }
+
+ private:
+  // k (heads [h, h + hkv) of qk) and v of each row into pool [2, Hkv, N, D] at its slot: KVPool.store's writes.
+  void store(const torch::Tensor& pool, const int64_t* slots, const torch::Tensor& qk, int64_t h,
+             const torch::Tensor& v) const {
+    const int64_t T = qk.size(0), hkv = kv_heads_, d = head_dim_, N = pool.size(2);
+    const int64_t es = pool.element_size(), row = d * es;
+    char* base = static_cast<char*>(pool.data_ptr());
+    const char* kp = static_cast<const char*>(qk.data_ptr());
+    const char* vp = static_cast<const char*>(v.data_ptr());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < hkv; ++j) {
+        std::memcpy(base + ((0 * hkv + j) * N + slots[t]) * row, kp + (t * qk.stride(0) + (h + j) * d) * es, row);
+        std::memcpy(base + ((1 * hkv + j) * N + slots[t]) * row, vp + (t * v.stride(0) + j * d) * es, row);
+      }
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace radixserve_decode_stack
+
+void register_decode_stack(pybind11::module_& parent) {
+  namespace ds = radixserve_decode_stack;
+  auto m = parent.def_submodule("decode_stack");
+  py::class_<ds::LinearOp>(m, "LinearOp");
+  m.def("linear", &ds::make_linear, "a linear layer of the stack: kind, weights, block types, output sizes, K, bias");
+  py::class_<ds::Stack>(m, "Stack")
+      .def(py::init<int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &ds::Stack::add_layer)
+      .def_property_readonly("num_layers", &ds::Stack::num_layers)
+      .def("forward", &ds::Stack::forward, py::call_guard<py::gil_scoped_release>());
+}

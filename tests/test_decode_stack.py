@@ -1,0 +1,115 @@
+"""Decode steps on the compiled stack of layers (runtime/models/decode_stack.py) against the Python layers: the same
+kernels in the same order, so the same tokens and the same log-probabilities to the bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.models import decode_stack, quant
+from radixserve.runtime.models.linear import onednn_usable, plain_bf16_weights
+from radixserve.runtime.sampling_params import SamplingParams
+from tests.tiny_model import make_tiny_model
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprob=True)
+PREFIX = "A shared system prompt that every request repeats before its own question. " * 3
+QUESTIONS = ["What is a radix tree?", "Name three colours.", "Count to five:", "Why is the sky blue?"]
+
+
+def _outputs(engine: Engine) -> list[list[tuple[int, float]]]:
+    """Each prompt alone, then all at once (multi-row decode steps over a shared prefix)."""
+    prompts = [engine.tokenizer.encode(PREFIX + q) for q in QUESTIONS]
+    alone = [engine.generate(input_ids=ids, sampling_params=GREEDY) for ids in prompts]
+    engine.flush_cache()
+    together = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    return [[(t.token_id, t.logprob) for t in o["meta_info"]["output_token_logprobs"]] for o in alone + together]
+
+
+def _model(engine: Engine) -> torch.nn.Module:
+    return engine.core.runner.model
+
+
+def _expects_stack(dtype: str, quantization: str) -> bool:
+    if quantization != "none":
+        return quant.packed_ops() is not None
+    return not onednn_usable(getattr(torch, dtype))  # plain weights on F.linear or the bfloat16 kernel
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "quantization"),
+    [
+        ("llama", "float32", "int8"),
+        ("llama", "float32", "int4"),
+        ("llama", "bfloat16", "int8"),
+        ("llama", "float32", "none"),
+        ("llama", "bfloat16", "none"),
+        ("qwen2", "float32", "int8"),  # q/k/v biases
+    ],
+)
+def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str, quantization: str
+) -> None:
+    folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=3, seed=11)
+    if quantization == "none" and dtype == "float32":
+        monkeypatch.setenv("RADIXSERVE_ONEDNN_LINEAR", "0")  # plain float32 weights: the stack's F.linear op
+        onednn_usable.cache_clear()
+        plain_bf16_weights.cache_clear()
+    try:
+        runs = {}
+        for stack in ("1", "0"):
+            monkeypatch.setenv("RADIXSERVE_DECODE_STACK", stack)
+            engine = Engine(
+                model=str(folder), device="cpu", dtype=dtype, quantization=quantization, max_total_tokens=2048
+            )
+            try:
+                runs[stack] = _outputs(engine)
+                built = _model(engine).__dict__.get("_decode_stack")
+                if stack == "1":
+                    assert (built is not None) == _expects_stack(dtype, quantization)
+                else:
+                    assert "_decode_stack" not in _model(engine).__dict__  # never built when off
+            finally:
+                engine.shutdown()
+        assert runs["1"] == runs["0"]
+        assert all(len(out) == GREEDY.max_new_tokens for out in runs["1"])
+    finally:
+        monkeypatch.delenv("RADIXSERVE_ONEDNN_LINEAR", raising=False)
+        onednn_usable.cache_clear()  # (computed again under the restored environment)
+        plain_bf16_weights.cache_clear()
+
+
+def test_models_the_stack_does_not_cover_keep_the_python_layers(tmp_path: Path) -> None:
+    """Sliding windows and query scales (Gemma 3) are not the stack's: it is not built, and decoding works."""
+    folder = make_tiny_model(tmp_path / "g", arch="gemma3", num_layers=2, config_overrides={"sliding_window": 16})
+    engine = Engine(model=str(folder), device="cpu", dtype="float32", quantization="int8", max_total_tokens=2048)
+    try:
+        out = engine.generate(input_ids=engine.tokenizer.encode(PREFIX), sampling_params=GREEDY)
+        assert len(out["output_ids"]) == GREEDY.max_new_tokens
+        assert _model(engine).__dict__.get("_decode_stack", False) is None
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(quant.packed_ops() is None, reason="no packed kernel on this CPU: the stack has no int8 op")
+def test_a_changed_weight_is_picked_up_after_invalidate(tmp_path: Path) -> None:
+    """The stack holds the weight tensors: after ``invalidate`` (the weight mover's swaps) it is built again over
+    the new ones; until then ``suspend`` keeps decode steps on the Python layers."""
+    folder = make_tiny_model(tmp_path / "m", num_layers=2, seed=3)
+    engine = Engine(model=str(folder), device="cpu", dtype="float32", quantization="int8", max_total_tokens=2048)
+    try:
+        ids = engine.tokenizer.encode(PREFIX)
+        first = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+        model = _model(engine)
+        old = model.__dict__["_decode_stack"]
+        assert old is not None
+        decode_stack.suspend(model)
+        assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == first
+        assert model.__dict__["_decode_stack"] is None
+        decode_stack.invalidate(model)
+        assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == first
+        assert model.__dict__["_decode_stack"] is not None and model.__dict__["_decode_stack"] is not old
+    finally:
+        engine.shutdown()
