@@ -32,29 +32,31 @@ def _model(engine: Engine) -> torch.nn.Module:
     return engine.core.runner.model
 
 
-def _expects_stack(dtype: str, quantization: str) -> bool:
-    if quantization != "none":
-        return quant.packed_ops() is not None
-    return not onednn_usable(getattr(torch, dtype))  # plain weights on F.linear or the bfloat16 kernel
+def _expects_stack(quantization: str) -> bool:
+    """Blocks need the packed kernel; plain weights run on oneDNN's packed copy, F.linear or the bfloat16 kernel,
+    all of which the stack calls."""
+    return quant.packed_ops() is not None if quantization != "none" else True
 
 
 @pytest.mark.parametrize(
-    ("arch", "dtype", "quantization"),
+    ("arch", "dtype", "quantization", "onednn"),
     [
-        ("llama", "float32", "int8"),
-        ("llama", "float32", "int4"),
-        ("llama", "bfloat16", "int8"),
-        ("llama", "float32", "none"),
-        ("llama", "bfloat16", "none"),
-        ("qwen2", "float32", "int8"),  # q/k/v biases
+        ("llama", "float32", "int8", True),
+        ("llama", "float32", "int4", True),
+        ("llama", "bfloat16", "int8", True),
+        ("llama", "float32", "none", True),  # oneDNN's packed weights
+        ("llama", "float32", "none", False),  # plain weights on F.linear
+        ("llama", "bfloat16", "none", True),
+        ("qwen2", "float32", "int8", True),  # q/k/v biases
+        ("qwen2", "float32", "none", True),
     ],
 )
 def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str, quantization: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str, quantization: str, onednn: bool
 ) -> None:
     folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=3, seed=11)
-    if quantization == "none" and dtype == "float32":
-        monkeypatch.setenv("RADIXSERVE_ONEDNN_LINEAR", "0")  # plain float32 weights: the stack's F.linear op
+    if not onednn:
+        monkeypatch.setenv("RADIXSERVE_ONEDNN_LINEAR", "0")
         onednn_usable.cache_clear()
         plain_bf16_weights.cache_clear()
     try:
@@ -68,7 +70,7 @@ def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
                 runs[stack] = _outputs(engine)
                 built = _model(engine).__dict__.get("_decode_stack")
                 if stack == "1":
-                    assert (built is not None) == _expects_stack(dtype, quantization)
+                    assert (built is not None) == _expects_stack(quantization)
                 else:
                     assert "_decode_stack" not in _model(engine).__dict__  # never built when off
             finally:

@@ -172,7 +172,12 @@ def test_regex_gen_always_matches(backend: RuntimeEndpoint) -> None:
 def test_json_schema_gen_always_parses(backend: RuntimeEndpoint) -> None:
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        # Bounded fields, so that every valid object fits the 48 tokens: an unbounded integer, sampled at 0.8,
+        # once ran past them ('"age":181342440028115684613835783518', cut by max_tokens).
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }

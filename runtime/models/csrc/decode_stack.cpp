@@ -15,6 +15,7 @@
 //   h = add_rms_norm(o, residual, w_post);  x = down_proj(silu_mul(gate_up_proj(h)))
 // and the last layer's x is returned (the caller adds it and applies the final norm).
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <cstring>
@@ -22,10 +23,16 @@
 
 namespace radixserve_decode_stack {
 
+// oneDNN's linear over its packed weight, the op Linear calls from Python (torch.ops.mkldnn._linear_pointwise).
+const c10::OperatorHandle& onednn_linear() {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return op;
+}
+
 // A linear layer as the Python Linear would run it at these rows.
 struct LinearOp {
   // 0: packed blocks (quant_packed; one call per part, outputs side by side), 1: bfloat16 parts (bf16_linear),
-  // 2: a plain weight (at::linear).
+  // 2: a plain weight (at::linear), 3: a oneDNN-packed weight.
   int64_t kind = 0;
   std::vector<torch::Tensor> weights;
   std::vector<int64_t> types, outs;  // kind 0: each part's block type and output size
@@ -46,13 +53,19 @@ struct LinearOp {
       return bias.defined() ? y + bias : y;
     }
     if (kind == 1) return radixserve_bf16_linear::linear(x, weights, bias.defined() ? bias : torch::Tensor());
+    if (kind == 3) {
+      std::vector<c10::IValue> stack{x, weights[0], bias.defined() ? c10::IValue(bias) : c10::IValue(),
+                                     std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+      onednn_linear().callBoxed(&stack);
+      return stack[0].toTensor();
+    }
     return bias.defined() ? at::linear(x, weights[0], bias) : at::linear(x, weights[0]);
   }
 };
 
 LinearOp make_linear(int64_t kind, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                      std::vector<int64_t> outs, int64_t in, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 2 && !weights.empty(), "decode_stack: linear kind 0-2 with weights");
+  TORCH_CHECK(kind >= 0 && kind <= 3 && !weights.empty(), "decode_stack: linear kind 0-3 with weights");
   TORCH_CHECK(kind != 0 || (types.size() == weights.size() && outs.size() == weights.size()),
               "decode_stack: a block type and an output size per packed part");
   LinearOp op;
