@@ -58,7 +58,7 @@ def stack_for(
 ) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
     """(stack, slots, lens) when this step (its embeddings ``residual``) can run on the stack (see the module doc),
     else None."""
-    if not envs.decode_stack() or torch.is_grad_enabled():
+    if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu":
         return None
     built = model.__dict__.get(_ATTR, False)
     if built is False:
@@ -66,7 +66,7 @@ def stack_for(
         model.__dict__[_ATTR] = built
     if built is None or residual.shape[0] > built[1] or residual.dtype != built[2]:
         return None
-    if ctx.pool.layers.dtype != residual.dtype or residual.device.type != "cpu":
+    if ctx.pool.layers.dtype != residual.dtype:
         return None
     layout = ctx.kernel_decode_rows()
     if layout is None:
