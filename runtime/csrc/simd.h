@@ -1,16 +1,28 @@
-// AVX-512 helpers shared by the CPU kernels: float32 / bfloat16 loads and stores of 16 lanes, e^x, and the sums of
+// SIMD helpers shared by the CPU kernels: float32 / bfloat16 loads and stores of 16 lanes, e^x, and the sums of
 // 16 vectors' lanes at once.
 // Every kernel keeps a scalar path for CPUs without AVX-512; these exist only under __AVX512F__.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
+#include <cstdint>
 
 namespace radixserve_simd {
-
 using bf16 = c10::BFloat16;
+
+// e^r for |r| <= ln2 / 2 by its Taylor polynomial of degree 7, highest coefficient first (Horner), and the split of
+// ln2 that keeps x - n ln2 exact: the one definition both vector widths' exp use.
+constexpr float EXP_TAYLOR[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+constexpr float LOG2E = 1.4426950408889634f, LN2_HI = 0.693145751953125f, LN2_LO = 1.428606765330187e-06f;
+}  // namespace radixserve_simd
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
+
+namespace radixserve_simd {
 
 // 16 consecutive values widened to float32 (a bfloat16 is the top half of a float32: exact).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -52,18 +64,12 @@ inline __m512 round_as(__m512 v, const bf16*) {
 inline __m512 exp(__m512 x) {
   // max/min return their second operand when either is NaN: a NaN stays NaN.
   x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+  __m512 p = _mm512_set1_ps(EXP_TAYLOR[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_TAYLOR[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -89,3 +95,44 @@ inline __m512 hsum16(const __m512* v) {
 }  // namespace radixserve_simd
 
 #endif  // __AVX512F__
+
+// 8-lane helpers: the AVX2 kernels' (CPUs without AVX-512: AMD Zen 2/3, Intel before Ice Lake), and the row-layout
+// quantized kernel's on every CPU with AVX2.
+#if defined(__AVX2__) && defined(__FMA__)
+namespace radixserve_simd {
+
+// 8 consecutive values widened to float32 (a bfloat16 is the top half of a float32: exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// e^x for x <= 0 (softmax numerators), as the AVX-512 exp computes it, 2^n built in the exponent bits (AVX2 has
+// no scalef). Below -87 the result is e^-87 (~1e-38: nothing beside a row's largest term, 1); a NaN stays NaN.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // (max returns its second operand for a NaN)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+  __m256 p = _mm256_set1_ps(EXP_TAYLOR[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_TAYLOR[i]));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+}  // namespace radixserve_simd
+#endif

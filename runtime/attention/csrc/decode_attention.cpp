@@ -28,10 +28,6 @@
 
 #include "../../csrc/simd.h"
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 namespace radixserve_decode_attention {
 namespace {
 
@@ -171,38 +167,9 @@ Kernel<T> pick(int64_t D, int64_t G) {
 #define RS_DECODE_AVX2 1
 // CPUs with AVX2 and no AVX-512 (AMD Zen 2/3, older Intel): the generic loop's dot products are float reductions,
 // which the compiler keeps scalar (one dependent add per dimension); here they run 8 lanes at a time.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// e^x for x <= 0 (softmax numerators): x = n ln2 + r, e^r by the degree-7 Taylor polynomial of simd.h's exp, times
-// 2^n built in the exponent bits. Below -87 the result is e^-87 (~1e-38, nothing against the row's largest term,
-// which is 1); a NaN stays NaN.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // (max returns its second operand for a NaN)
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using radixserve_simd::exp_nonpositive;
+using radixserve_simd::hsum8;
+using radixserve_simd::load8;
 
 constexpr int64_t PREFETCH = 16;  // rows ahead, as the AVX-512 kernel
 

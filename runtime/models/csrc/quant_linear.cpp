@@ -101,21 +101,6 @@ struct QuantRows {
   std::vector<int32_t> qsum, half;  // [M, nb]
 };
 
-#if defined(RS_AVX2) && !defined(__AVX512F__)
-// 8 consecutive values widened to float32 (a bfloat16 is the top half of a float32: exact).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline int32_t hsum_i32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
-#endif
-
 // x (float32 or bfloat16) rounded per block of 32: dx = max|x| / 127, q = nearest-even(x * (1 / dx)) (the
 // vector conversion's default rounding is nearbyint's, so both paths give the same bytes).
 template <typename T>
@@ -142,7 +127,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& out) {
       const int32_t qsum = half + _mm512_reduce_add_epi32(q1);
 #elif defined(RS_AVX2)
       __m256 v[4];
-      for (int k = 0; k < 4; ++k) v[k] = load8(xb + 8 * k);
+      for (int k = 0; k < 4; ++k) v[k] = radixserve_simd::load8(xb + 8 * k);
       const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
       __m256 m = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
       m = _mm256_max_ps(m, _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
@@ -157,8 +142,8 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& out) {
       const __m256i b16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * QK),
                           _mm256_permutevar8x32_epi32(b16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      const int32_t half = hsum_i32(_mm256_add_epi32(q[0], q[1]));
-      const int32_t qsum = half + hsum_i32(_mm256_add_epi32(q[2], q[3]));
+      const int32_t half = radixserve_simd::hsum8(_mm256_add_epi32(q[0], q[1]));
+      const int32_t qsum = half + radixserve_simd::hsum8(_mm256_add_epi32(q[2], q[3]));
 #else
       float amax = 0.0f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(static_cast<float>(xb[j])));
@@ -181,13 +166,6 @@ void quantize_rows(const T* x, int64_t M, int64_t K, QuantRows& out) {
 }
 
 #ifdef RS_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // A weight block as maddubs wants it: `u` unsigned bytes (|w| for signed levels, Q4_1's q as they are) and, for
 // signed levels, the signs to give x; the block's scale d and Q4_1's offset m.
 template <int64_t TYPE>
@@ -265,7 +243,7 @@ void int_rows(const QuantRows& xq, int64_t m0, int64_t K, const uint8_t* w, int6
         if constexpr (TYPE == Q4_1) off[r] += w0.m * sx[r][blk];
       }
     }
-    for (int r = 0; r < MR; ++r) y[(m0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + off[r];
+    for (int r = 0; r < MR; ++r) y[(m0 + r) * N + n] = radixserve_simd::hsum8(_mm256_add_ps(a0[r], a1[r])) + off[r];
   }
 }
 
