@@ -85,17 +85,26 @@ int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes
 // Where block b's quants, scales and (Q4_1) offsets are in a group's row of nb blocks. Blocks go in runs of P
 // (the last run may be shorter): the run's quants, then its scales, then its offsets, P chosen so that a run is
 // whole cache lines (Q4_1: 320 B; Q8_0 and Q4_0 in pairs: 1,088 and 576 B) and every quant load is one line.
-struct Row {
+// PP: blocks per run when the kernel's type fixes it (1 for Q4_1, 2 for Q8_0 and Q4_0), so that the inner loops
+// find a block in a few adds (a division per block cost them an idiv each); 0: known at run time (packing).
+template <int64_t PP>
+struct RowT {
   const uint8_t* row;
-  int64_t nb, qb, bs, P;
-  Row(const uint8_t* r, int64_t type, int64_t n)
-      : row(r), nb(n), qb(quant_bytes(type)), bs(G * block_bytes(type)), P(type == Q4_1 ? 1 : 2) {}
-  const uint8_t* run(int64_t b) const { return row + (b / P) * P * bs; }
-  int64_t in_run(int64_t b) const { return std::min(P, nb - (b / P) * P); }
-  const uint8_t* quants(int64_t b) const { return run(b) + (b % P) * qb; }
-  const uint8_t* scales(int64_t b) const { return run(b) + in_run(b) * qb + (b % P) * 2 * G; }
-  const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b % P) * 2 * G; }
+  int64_t nb, qb, bs, p;
+  RowT(const uint8_t* r, int64_t type, int64_t n)
+      : row(r), nb(n), qb(quant_bytes(type)), bs(G * block_bytes(type)), p(type == Q4_1 ? 1 : 2) {}
+  int64_t P() const { return PP ? PP : p; }
+  int64_t run_start(int64_t b) const { return (b >> (P() - 1)) << (P() - 1); }  // P is 1 or 2
+  const uint8_t* run(int64_t b) const { return row + run_start(b) * bs; }
+  int64_t in_run(int64_t b) const {
+    if constexpr (PP == 1) return 1;
+    return std::min(P(), nb - run_start(b));
+  }
+  const uint8_t* quants(int64_t b) const { return run(b) + (b & (P() - 1)) * qb; }
+  const uint8_t* scales(int64_t b) const { return run(b) + in_run(b) * qb + (b & (P() - 1)) * 2 * G; }
+  const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b & (P() - 1)) * 2 * G; }
 };
+using Row = RowT<0>;
 
 // The activations, rounded per block of 32 as the row kernel rounds them (quant_linear.cpp).
 using Acts = radixserve_quant_linear::QuantRows;
@@ -405,11 +414,11 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
             group_all<Q4_K>(a, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
             continue;
           }
-          const Row row(wp + g * stride, type, nb);
+          const uint8_t* group = wp + g * stride;
           switch (type) {
-            case Q8_0: group_all<Q8_0>(a, m0, m1, K, row, N, g, yp); break;
-            case Q4_0: group_all<Q4_0>(a, m0, m1, K, row, N, g, yp); break;
-            default: group_all<Q4_1>(a, m0, m1, K, row, N, g, yp); break;
+            case Q8_0: group_all<Q8_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+            case Q4_0: group_all<Q4_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+            default: group_all<Q4_1>(a, m0, m1, K, RowT<1>(group, type, nb), N, g, yp); break;
           }
         }
       }

@@ -30,6 +30,12 @@ inline __m256 u8x8_to_float(const uint8_t* p) {
 inline __m256 i8x8_to_float(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// gcc reassociates a chain of integer vector adds (they wrap, so any order is exact): it computed all of a block's
+// products first and summed them after, spilling them to the stack. This empty asm makes the sum so far an input
+// the chain cannot be rearranged across, so each product is added as it is made. (The int16 chains use vpaddsw,
+// a builtin gcc does not reassociate; it never saturates here, by the bounds above.)
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // As quant_packed.cpp's AVX-512 prefetch: block b's bytes PREFETCH_BYTES ahead.
@@ -60,10 +66,11 @@ inline void store_half(const __m256* acc, T* y, int64_t m0, int64_t N, int64_t c
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
 // for the 32-weight types: s[NH * r + h] (int32 lane c: channel c's sum over the block's 32 weights).
 template <int64_t TYPE, int MR, int NH>
-inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* q, int h0, __m256i* s) {
+__attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* q, int h0, __m256i* s) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (TYPE == Q8_0) {
     for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       for (int h = 0; h < NH; ++h) {
         const __m256i w = _mm256_xor_si256(load32(q + 64 * j + 32 * (h0 + h)), _mm256_set1_epi8(-128));
@@ -72,6 +79,7 @@ inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const u
           const __m256i x = bcast4(a.q.data() + ((m0 + r) * nb + b) * QK + 4 * j);
           const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
           s[NH * r + h] = _mm256_add_epi32(s[NH * r + h], _mm256_madd_epi16(p, ones));
+          keep_in_register(s[NH * r + h]);
         }
       }
     }
@@ -85,9 +93,9 @@ inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const u
         const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         for (int r = 0; r < MR; ++r) {
           const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)),
-                                             _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-          p[NH * r + h] = _mm256_add_epi16(p[NH * r + h], t);
+          __m256i& pr = p[NH * r + h];
+          pr = _mm256_adds_epi16(pr, _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+          pr = _mm256_adds_epi16(pr, _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
         }
       }
     }
@@ -183,8 +191,8 @@ void half_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(u1, top2));
           for (int r = 0; r < MR; ++r) {
             const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-            p0[r] = _mm256_add_epi16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-            p1[r] = _mm256_add_epi16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+            p0[r] = _mm256_adds_epi16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+            p1[r] = _mm256_adds_epi16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
           }
         }
         for (int r = 0; r < MR; ++r) {
