@@ -61,7 +61,8 @@ constexpr int64_t PREFETCH_BYTES = 12 << 10;
 // 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x 2048 at 64 and 1,024 rows;
 // a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations).
 constexpr int64_t TILE_WEIGHT_BYTES = 256 << 10, TILE_ACT_BYTES = 256 << 10;
-// Rows a kernel call keeps in registers: AVX-512's 32 registers hold 8 rows' sums; AVX2's 16 hold 4 (one half).
+// Rows a kernel call keeps in registers: AVX-512's 32 registers hold 8 rows' sums; AVX2's 16 hold 4 to 6 of one
+// half (group_all there picks per type); tiles are made of MAX_MR rows.
 #ifdef RS_PACKED_512
 constexpr int MAX_MR = 8;
 #else
