@@ -31,6 +31,7 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "../../csrc/simd.h"
 
@@ -56,11 +57,18 @@ constexpr int64_t QK = 32, G = 16;
 // How far ahead of its loads the kernel prefetches: all 65 linear layers of the 1B Llama (Q4_K_M, one row, 2-core
 // AMD EPYC) took 26.2-26.4 ms a pass at 4-16 KB, 27.1 at 8 blocks (2.4 KB of Q4_K), 28.9 at 32 KB, 32.7 at none.
 constexpr int64_t PREFETCH_BYTES = 12 << 10;
-// Tiles of many-row products (see linear): ~256 KB of weights by as many rows as make ~256 KB of int8
-// activations, so that both stay in L2 (1 MB on Zen 4) while reused. Of the sizes tried (64-512 KB of weights,
-// 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x 2048 at 64 and 1,024 rows;
-// a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations).
-constexpr int64_t TILE_WEIGHT_BYTES = 256 << 10, TILE_ACT_BYTES = 256 << 10;
+// Tiles of many-row products (see linear): a quarter of this core's L2 of weights by as many rows as make another
+// quarter of int8 activations, so that both stay in L2 while reused. On Zen 4 (1 MB L2: 256 KB each), of the sizes
+// tried (64-512 KB of weights, 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x
+// 2048 at 64 and 1,024 rows; a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations). On Zen 3 (512
+// KB) the same 256 KB each ran Q4_K 8192 x 2048 at 1,024 rows 15% slower than 128 KB each (one thread).
+int64_t tile_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return std::clamp<int64_t>(l2 > 0 ? l2 / 4 : 256 << 10, 64 << 10, 1 << 20);
+  }();
+  return bytes;
+}
 // Rows a kernel call keeps in registers: AVX-512's 32 registers hold 8 rows' sums; AVX2's 16 hold 4 to 6 of one
 // half (group_all there picks per type); tiles are made of MAX_MR rows.
 #ifdef RS_PACKED_512
@@ -400,8 +408,8 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
   // Channel groups are independent: threads take contiguous ranges of them. Within a range, tiles of groups x
   // rows: a tile's weights and its rows' activations stay in L2 while each is reused (a prefill chunk's x does not
   // fit: without tiles every group streamed all of it from L3 again, and 1,024 rows ran at 0.7x the rate of 64).
-  const int64_t tile_groups = std::max<int64_t>(1, TILE_WEIGHT_BYTES / stride);
-  const int64_t tile_rows = std::max<int64_t>(1, TILE_ACT_BYTES / K / MAX_MR) * MAX_MR;
+  const int64_t tile_groups = std::max<int64_t>(1, tile_bytes() / stride);
+  const int64_t tile_rows = std::max<int64_t>(1, tile_bytes() / K / MAX_MR) * MAX_MR;
   at::parallel_for(0, w.size(0), 1, [&](int64_t g0, int64_t g1) {
     for (int64_t gt = g0; gt < g1; gt += tile_groups) {
       for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {

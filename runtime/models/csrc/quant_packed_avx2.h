@@ -247,8 +247,6 @@ void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, i
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
     const bool first = h == 0 && m == m0;
     switch (m1 - m) {
-      case 7: halves_of<TYPE, 7, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
-      case 6: halves_of<TYPE, 6, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
       case 5: halves_of<TYPE, 5, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
       case 4: halves_of<TYPE, 4, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
       case 3: halves_of<TYPE, 3, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
