@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.runtime.threads import MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
+from radixserve.runtime.threads import BACKOFF_RATIO, MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
 
 
 def drive(tuner: StepThreads, cost: dict[int, float], steps: int, tokens: int = 8) -> list[int]:
@@ -19,7 +19,7 @@ def drive(tuner: StepThreads, cost: dict[int, float], steps: int, tokens: int = 
 
 def test_tries_both_then_runs_the_faster_and_probes_the_other() -> None:
     tuner = StepThreads()
-    used = drive(tuner, {2: 0.030, 1: 0.050}, 2 + 4 * PROBE_EVERY)
+    used = drive(tuner, {2: 0.030, 1: 0.035}, 2 + 4 * PROBE_EVERY)  # close: worth re-timing often
     assert used[:2] == [2, 1]
     assert used[2:].count(1) == 4  # one probe per PROBE_EVERY steps
     assert all(t == 2 for i, t in enumerate(used[2:], 1) if i % PROBE_EVERY)
@@ -32,6 +32,15 @@ def test_follows_a_change_of_load_both_ways() -> None:
     assert loaded[-20:].count(1) >= 19
     quiet = drive(tuner, {2: 0.030, 1: 0.050}, 20 * PROBE_EVERY)
     assert quiet[-PROBE_EVERY:].count(2) >= PROBE_EVERY - 1
+
+
+def test_a_setting_that_clearly_loses_is_probed_less_and_less() -> None:
+    # One thread on a compute-bound step: ~1.9x slower, so probing it every PROBE_EVERY steps would cost ~6%.
+    tuner = StepThreads()
+    used = drive(tuner, {2: 0.200, 1: 0.380}, 2 + 1000)
+    assert BACKOFF_RATIO * 0.200 < 0.380  # the premise: it loses by more than the ratio
+    assert used[2:].count(1) <= 7  # probes after 16, 32, 64, ... steps: not 1000 // PROBE_EVERY = 62
+    assert tuner._classes[8].probe_every >= 512
 
 
 def test_a_setting_that_loses_by_far_is_probed_less_and_less() -> None:
