@@ -12,8 +12,8 @@ prefill chunks, always use every thread): try the configured thread count and on
 an exponential moving average of step time, and re-time the other one every ``PROBE_EVERY`` steps of that class
 so that a change in the machine's load is noticed. A probe that loses by more than ``BACKOFF_RATIO`` backs off (the
 next one comes twice as late, up to ``MAX_PROBE_EVERY``), so a setting that clearly loses is rarely retried: a
-one-thread probe of a compute-bound step (a ~1B model's 16-row decode, ~1.9x slower on one of 2 cores) cost ~6% of
-all decode time at one probe every 16 steps, when only probes losing by more than 2x backed off.
+one-thread probe of a compute-bound step (a ~1B model's 16-row decode, ~1.9x slower on one of 2 cores) every 16
+steps adds ~6% to decode time, which it did while only probes losing by more than 2x backed off.
 """
 
 from __future__ import annotations
