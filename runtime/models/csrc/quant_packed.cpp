@@ -61,11 +61,12 @@ constexpr int64_t PREFETCH_BYTES = 12 << 10;
 // quarter of int8 activations, so that both stay in L2 while reused. On Zen 4 (1 MB L2: 256 KB each), of the sizes
 // tried (64-512 KB of weights, 48-1,024 rows) these were best or level with the best on 2048 x 16384 and 8192 x
 // 2048 at 64 and 1,024 rows; a fixed 120 rows ran 8192 x 2048 20% slower (960 KB of activations). On Zen 3 (512
-// KB) the same 256 KB each ran Q4_K 8192 x 2048 at 1,024 rows 15% slower than 128 KB each (one thread).
+// KB) the same 256 KB each ran Q4_K 8192 x 2048 at 1,024 rows 15% slower than 128 KB each (one thread). Larger
+// L2s keep the 256 KB that was measured (larger tiles were not).
 int64_t tile_bytes() {
   static const int64_t bytes = [] {
     const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return std::clamp<int64_t>(l2 > 0 ? l2 / 4 : 256 << 10, 64 << 10, 1 << 20);
+    return std::clamp<int64_t>(l2 > 0 ? l2 / 4 : 256 << 10, 64 << 10, 256 << 10);
   }();
   return bytes;
 }
