@@ -66,7 +66,8 @@ inline void store_half(const __m256* acc, T* y, int64_t m0, int64_t N, int64_t c
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
 // for the 32-weight types: s[NH * r + h] (int32 lane c: channel c's sum over the block's 32 weights).
 template <int64_t TYPE, int MR, int NH>
-__attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b, const uint8_t* q, int h0, __m256i* s) {
+__attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0, int64_t nb, int64_t b,
+                                                      const uint8_t* q, int h0, __m256i* s) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (TYPE == Q8_0) {
     for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_setzero_si256();
@@ -246,9 +247,13 @@ void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, i
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
     const bool first = h == 0 && m == m0;
-    switch (m1 - m) {
-      case 5: halves_of<TYPE, 5, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
-      case 4: halves_of<TYPE, 4, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
+    switch (m1 - m) {  // fewer than MR rows left (the cases a type's MR never leaves are not built)
+      case 5:
+        if constexpr (MR > 5) halves_of<TYPE, 5, 1, T, R>(a, m, K, row, N, g, h, y, first);
+        break;
+      case 4:
+        if constexpr (MR > 4) halves_of<TYPE, 4, 1, T, R>(a, m, K, row, N, g, h, y, first);
+        break;
       case 3: halves_of<TYPE, 3, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
       case 2: halves_of<TYPE, 2, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
       case 1: halves_of<TYPE, 1, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
