@@ -242,7 +242,7 @@ void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, i
     halves_of<TYPE, 1, 2, T, R>(a, m0, K, row, N, g, 0, y, true);
     return;
   }
-  constexpr int MR = TYPE == Q6_K ? MAX_MR : TYPE == Q8_0 ? 5 : 6;
+  constexpr int MR = TYPE == Q6_K ? 4 : TYPE == Q8_0 ? 5 : 6;
   for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
