@@ -138,6 +138,17 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
   }
 }
 
+#ifdef RS_PACKED
+// Block b's bytes PREFETCH_BYTES ahead in a group row of `block`-byte blocks (the next group's first ones past the
+// row's end: a thread's groups are consecutive in memory). Without this the loads wait on memory: the hardware
+// prefetcher falls behind. Only the first rows of a tile read the weights from memory; later rows find them in
+// cache, so only they prefetch.
+inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
+  const char* ahead = reinterpret_cast<const char*>(row) + b * block + PREFETCH_BYTES;
+  for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+}
+#endif
+
 #ifdef RS_PACKED_512
 inline __m512 fp16x16_to_float(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -147,15 +158,6 @@ inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// Block b's bytes PREFETCH_BYTES ahead in a group row of `block`-byte blocks (the next group's first ones past the
-// row's end: a thread's groups are consecutive in memory). Without this the loads wait on memory: the hardware
-// prefetcher falls behind. Only the first rows of a tile read the weights from memory; later rows find them in
-// cache, so only they prefetch.
-inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
-  const char* ahead = reinterpret_cast<const char*>(row) + b * block + PREFETCH_BYTES;
-  for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
 }
 
 // MR rows' 16 outputs of group g (the first N - 16 g of them in the last group).

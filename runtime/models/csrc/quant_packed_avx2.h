@@ -1,7 +1,7 @@
 // quant_packed.cpp's kernels for CPUs with AVX2 and no AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake): the same
 // 16-channel groups, the same integer sums and the same float32 operations in the same order, so a product gives
 // the bits of the AVX-512 kernel. Included by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow,
-// Q6Row) and Acts; not a stand-alone header.
+// Q6Row), Acts and prefetch; not a stand-alone header.
 //
 // A 256-bit register holds 8 channels' 4 weights, so a group is two halves of 8 channels. AVX2 has no vpdpbusd:
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
@@ -37,12 +37,6 @@ inline __m256 i8x8_to_float(const int8_t* p) {
 inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// As quant_packed.cpp's AVX-512 prefetch: block b's bytes PREFETCH_BYTES ahead.
-inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
-  const char* ahead = reinterpret_cast<const char*>(row) + b * block + PREFETCH_BYTES;
-  for (int64_t off = 0; off < block; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
-}
 
 // MR rows' 8 outputs of channels [c0, c0 + 8) (those below N). bfloat16 rounds as c10 does: to nearest even, the
 // bits of the AVX-512 kernel's conversion.
