@@ -79,6 +79,18 @@ class EngineConfig:
         "CPU kernels on CPU); auto: triton on CUDA where it imports, torch elsewhere.",
         ("auto", "torch", "triton"),
     )
+    disable_cuda_graph: bool = _opt(
+        False, "CUDA: run decode steps eagerly instead of replaying the CUDA graph captured for their batch size."
+    )
+    cuda_graph_max_bs: int = _opt(
+        0, "CUDA: the largest decode batch captured in a graph (larger ones run eagerly); 0: --max-running-requests."
+    )
+    load_format: str = _opt(
+        "auto",
+        "auto: the checkpoint's weights; dummy: random weights (normal, std 0.02) of the config's shapes, created on "
+        "the device with no checkpoint read, for measuring speed.",
+        ("auto", "dummy"),
+    )
     max_total_tokens: int = _opt(0, "KV pool size in tokens; 0 sizes it with --mem-fraction-static.")
     mem_fraction_static: float = _opt(
         0.0,
@@ -162,6 +174,11 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, got {self.load_format!r}")
+        if self.cuda_graph_max_bs < 0:
+            n = self.cuda_graph_max_bs
+            raise ValueError(f"--cuda-graph-max-bs must be >= 0 (0: --max-running-requests), got {n}")
         if self.max_total_tokens < 0:
             raise ValueError("--max-total-tokens must be >= 0 (0 sizes the pool from free memory)")
         if not 0.0 <= self.mem_fraction_static <= 0.98:

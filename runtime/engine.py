@@ -23,7 +23,7 @@ import torch
 
 from radixserve.constrained import CompiledGrammar, ConstraintSpec
 from radixserve.runtime import envs
-from radixserve.runtime.attention import attention_backend
+from radixserve.runtime.attention import AttentionBackend, attention_backend
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.distributed import TensorParallelModel, finish_start, start_leader
 from radixserve.runtime.draft_model import load_draft_model
@@ -35,7 +35,7 @@ from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.mapped_weights import WeightMover
-from radixserve.runtime.memory import module_bytes, size_pool
+from radixserve.runtime.memory import RESERVE_BYTES, activation_bytes, module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.sampler import Sampler
@@ -81,17 +81,32 @@ class Engine(EngineAPI):
         draft_weights = module_bytes(draft.model) if draft is not None else 0
         draft_per_token = draft.kv_bytes_per_token() if draft is not None else 0
         sizing = None
+
+        def make_attention() -> AttentionBackend:
+            return attention_backend(
+                config.deterministic_inference, loaded.device, loaded.dtype, args.attn_softcap, config.attention_backend
+            )
+
         if config.max_total_tokens:
             num_slots = config.max_total_tokens
         else:
             # On CPU every rank's weights and KV shard live in the same RAM; a GPU rank has its own memory.
             sharing = config.tp if loaded.device.type == "cpu" else 1
             weights = module_bytes(loaded.model) * sharing + draft_weights
+            reserve = RESERVE_BYTES
+            if loaded.device.type == "cuda" and config.tp == 1:
+                pool_args = (args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
+                reserve = activation_bytes(loaded.model, make_attention, pool_args, config.chunked_prefill_size)
+                logger.info("activations of a %d-token chunk: %.2f GiB (measured)", config.chunked_prefill_size,
+                            reserve / 2**30)  # fmt: skip
             sizing = size_pool(
-                config.mem_fraction_static, loaded.device, weights, per_token * sharing + draft_per_token
+                config.mem_fraction_static, loaded.device, weights, per_token * sharing + draft_per_token, reserve
             )
             num_slots = sizing.slots
-        pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
+        graphs_on = loaded.device.type == "cuda" and config.tp == 1 and not config.disable_cuda_graph
+        pool = KVPool(
+            num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device, scratch_slots=graphs_on
+        )
         self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
         context = config.max_context_len or args.max_position_embeddings
         self.max_context_len = min(context, args.max_position_embeddings)
@@ -107,10 +122,15 @@ class Engine(EngineAPI):
         )
         sampler = Sampler(args.vocab_size, sorted(loaded.eos_token_ids), loaded.device, seed=config.seed)
         model = self._tp if self._tp is not None else loaded.model
-        attention = attention_backend(
-            config.deterministic_inference, loaded.device, loaded.dtype, args.attn_softcap, config.attention_backend
-        )
-        runner = ModelRunner(model, pool, attention, sampler, loaded.device)
+        attention = make_attention()
+        graphs = None
+        if graphs_on and attention.graph_capturable:
+            from radixserve.runtime.cuda_graph import DecodeGraphs  # imports Triton
+
+            max_bs = config.cuda_graph_max_bs or config.max_running_requests
+            graphs = DecodeGraphs(loaded.model, pool, max_bs, self.max_context_len, loaded.device)
+            graphs.capture()
+        runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs)
         tier = None
         if config.enable_hierarchical_cache:
             layout = (args.num_layers, kv_heads, args.head_dim)

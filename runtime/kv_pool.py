@@ -30,13 +30,18 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_slots: int = 0,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, 2, num_kv_heads, num_slots, head_dim)
+        # Slots ``[num_slots, num_slots + scratch_slots)`` are never handed out: the padding rows of a CUDA graph's
+        # batch write and read there (``scratch_slot``).
+        self.scratch_slot = num_slots
+        self.slot_rows = num_slots + scratch_slots  # the slot dimension of ``kv[layer]`` (its head stride in rows)
+        shape = (num_layers, 2, num_kv_heads, num_slots + scratch_slots, head_dim)
         # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
         # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
         self._kv = torch.empty(shape, dtype=dtype, device=device)

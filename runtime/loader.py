@@ -18,7 +18,7 @@ from radixserve.runtime.gguf_weights import iter_gguf_weights
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.models.families import renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, plain_bf16_weights, prepack
-from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs, RMSNorm
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
 from radixserve.runtime.quantized_checkpoint import QuantSpec, iter_quantized_weights
@@ -106,6 +106,24 @@ def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Ll
     for rope in model.model.rotaries():
         rope.reset_tables(dtype, device)
     return model
+
+
+def dummy_weights(model: LlamaForCausalLM, device: torch.device, seed: int, std: float = 0.02) -> None:
+    """``--load-format dummy``: every parameter of the meta-device model created on ``device`` in its dtype, as
+    at initialization (normal with ``std``; norm weights 1, biases 0), with no checkpoint read. Speed depends on
+    the shapes, not the values."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            t = torch.empty(param.shape, dtype=param.dtype, device=device)
+            if isinstance(module, RMSNorm):
+                t.fill_(1.0)
+            elif name == "bias":
+                t.zero_()
+            else:
+                t.normal_(0.0, std, generator=gen)
+            setattr(module, name, torch.nn.Parameter(t, requires_grad=False))
+    model.tie_weights()
 
 
 def model_weights(
@@ -225,14 +243,19 @@ def load_model(
             # Weights served as stored are mapped from the file, not read (safetensors_read).
             mapping = dtype == torch.bfloat16 and plain_bf16_weights() and cuts is None
             into = MergedRows(model, dtype, rename, staging, map_weights=mapping)
-        weights = model_weights(folder, hf_config, config, device, into, select)
-        cut = cuts.cut if cuts is not None else None
-        packer = LoadPacker(staging=staging) if packs else None
-        try:
-            model.load_weights(weights, device=device, on_weight=packer, transform=cut)
-        finally:
-            if packer is not None:
-                packer.finish()
+        if config.load_format == "dummy":
+            if cuts is not None:
+                raise ValueError("--load-format dummy runs on one process (no tensor parallelism)")
+            dummy_weights(model, device, config.seed)
+        else:
+            weights = model_weights(folder, hf_config, config, device, into, select)
+            cut = cuts.cut if cuts is not None else None
+            packer = LoadPacker(staging=staging) if packs else None
+            try:
+                model.load_weights(weights, device=device, on_weight=packer, transform=cut)
+            finally:
+                if packer is not None:
+                    packer.finish()
         prepack(model, keep_plain=config.keep_plain_weights)  # what is left: a tied head, --keep-plain-weights
     load_seconds = time.perf_counter() - load_start
     logger.info(

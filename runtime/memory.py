@@ -4,18 +4,22 @@
     slots      = pool bytes // (KV bytes per token on every rank that shares this memory)
 
 ``total memory`` is the GPU's (``torch.cuda.mem_get_info``) or, on CPU, the machine's RAM (``MemTotal``, or the
-cgroup's limit when lower). ``weight bytes`` are the loaded parameters plus any packed copy a fast path keeps (on CPU
-with tensor parallelism, every rank's shard: they share the RAM). ``reserve`` is room for activations, the front
-end and the grammar compiler: ``RESERVE_BYTES``. The default share (``mem_fraction_static`` 0) is SGLang's 0.88 on a
-GPU and 0.5 on CPU, where the RAM is shared with the operating system and everything else on the machine.
+cgroup's limit when lower). ``weight bytes`` are the loaded parameters plus any packed copy a fast path keeps (on
+CPU with tensor parallelism, every rank's shard: they share the RAM). ``reserve`` is room for activations, the
+front end and the grammar compiler: ``RESERVE_BYTES`` on CPU; on a single GPU it is measured, by a warm-up forward
+pass at the largest prefill chunk (``activation_bytes``), plus a margin for the decode graphs. The default share
+(``mem_fraction_static`` 0) is SGLang's 0.88 on a GPU and 0.5 on CPU, where the RAM is shared with the operating
+system and everything else on the machine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +27,8 @@ logger = logging.getLogger("radixserve.kv")
 
 DEFAULT_FRACTION = {"cuda": 0.88, "cpu": 0.5}
 RESERVE_BYTES = 1 << 30
+# CUDA: beyond the measured activations, room for the decode graphs' memory pool and the sampler's logits.
+GRAPH_MARGIN_BYTES = 512 << 20
 # A pool larger than what the machine has free now would fail later, under load: it is cut to this share of it.
 MAX_SHARE_OF_AVAILABLE = 0.9
 GiB = float(1 << 30)
@@ -80,11 +86,14 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
-def size_pool(fraction: float, device: torch.device, weight_bytes: int, per_token_bytes: int) -> PoolSizing:
-    """Slots for ``fraction`` of the device's memory (0: the default); at least one."""
+def size_pool(
+    fraction: float, device: torch.device, weight_bytes: int, per_token_bytes: int, reserve_bytes: int = RESERVE_BYTES
+) -> PoolSizing:
+    """Slots for ``fraction`` of the device's memory (0: the default); at least one. ``reserve_bytes``: the
+    activations' peak where it was measured (``activation_bytes``), else ``RESERVE_BYTES``."""
     fraction = fraction or DEFAULT_FRACTION.get(device.type, 0.5)
     total = total_memory_bytes(device)
-    budget = int(total * fraction) - weight_bytes - RESERVE_BYTES
+    budget = int(total * fraction) - weight_bytes - reserve_bytes
     slots = max(1, budget // per_token_bytes)
     ceiling = int(available_memory_bytes(device) * MAX_SHARE_OF_AVAILABLE) // per_token_bytes
     capped = slots > ceiling
@@ -96,7 +105,33 @@ def size_pool(fraction: float, device: torch.device, weight_bytes: int, per_toke
             ceiling * per_token_bytes / GiB,
         )
         slots = max(1, ceiling)
-    return PoolSizing(total, fraction, weight_bytes, RESERVE_BYTES, per_token_bytes, slots, capped)
+    return PoolSizing(total, fraction, weight_bytes, reserve_bytes, per_token_bytes, slots, capped)
+
+
+def activation_bytes(model: torch.nn.Module, make_backend: Callable[[], Any], pool_args: tuple, tokens: int) -> int:
+    """CUDA: the memory a forward pass of ``tokens`` prompt tokens (the largest chunk a step computes) takes on
+    top of the weights, measured by running one on a pool of that many slots (``pool_args``: ``KVPool``'s
+    arguments after the slot count), plus its logits and ``GRAPH_MARGIN_BYTES`` for the decode graphs."""
+    from radixserve.runtime.attention.base import ForwardContext
+    from radixserve.runtime.kv_pool import KVPool
+    from radixserve.runtime.step_layout import StepRow, lay_out
+
+    device = pool_args[-1]
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # what the load left in the allocator's cache is not the activations'
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    pool = KVPool(tokens, *pool_args)
+    pool_bytes = pool.nbytes
+    input_ids, positions, meta = lay_out([StepRow([0] * tokens, 0, list(range(tokens)), False)], device)
+    with torch.inference_mode():
+        hidden = model(input_ids, positions, ForwardContext(meta, pool, make_backend()))
+        model.compute_logits(hidden[-1:]).float()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base - pool_bytes
+    del pool, hidden
+    torch.cuda.empty_cache()
+    return int(peak) + GRAPH_MARGIN_BYTES
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -6,7 +6,7 @@ never touches the slot allocator.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from radixserve.runtime.request import ErrorCode, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
 from radixserve.runtime.step_layout import StepRow, lay_out
 from radixserve.runtime.threads import StepThreads
+
+if TYPE_CHECKING:
+    from radixserve.runtime.cuda_graph import DecodeGraphs
 
 
 class CausalLM(Protocol):
@@ -36,8 +39,10 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs  # CUDA: plain decode steps replay a captured graph
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
@@ -63,8 +68,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, plan: BatchPlan) -> StepResult:
-        input_ids, positions, meta = self.build_metadata(plan)
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
+        if self.graphs is not None and self.graphs.fits(plan):
+            hidden = self.graphs.run(plan)
+        else:
+            input_ids, positions, meta = self.build_metadata(plan)
+            hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
 
         n = len(plan.chunks)
         next_tokens: list[int | None] = [None] * n

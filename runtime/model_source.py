@@ -147,7 +147,13 @@ def resolve_model(spec: str, revision: str = "") -> Path:
 
 
 def model_folder(config: EngineConfig) -> Path:
-    """The resolved folder of ``--model`` (at ``--revision``)."""
+    """The resolved folder of ``--model`` (at ``--revision``); with ``--load-format dummy`` a local folder needs
+    only its config.json (the weights are made up)."""
+    path = Path(config.model).expanduser()
+    if config.load_format == "dummy" and path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--load-format dummy needs the model's config.json, and {path} has none")
+        return path.resolve()
     return resolve_model(config.model, config.revision)
 
 

@@ -24,7 +24,8 @@ NUM_SLOTS = 1200
 
 def _step(gen: torch.Generator, grouped: bool):
     """A step's rows over random slot tables: 3 decode rows (one longer than a split), a fresh chunk, a chunk over
-    a cached prefix and a short one; with ``grouped``, the decode rows share their first 40 slots."""
+    a cached prefix, a short one and one longer than an item; with ``grouped``, the decode rows share their first
+    40 slots."""
     perm = torch.randperm(NUM_SLOTS, generator=gen).tolist()
     taken = iter(perm)
 
@@ -38,7 +39,7 @@ def _step(gen: torch.Generator, grouped: bool):
         t = (prefix + table(n - 40)) if grouped else table(n)
         rows.append(StepRow([1], n - 1, t, True))
         shared.append((7, 40) if grouped else None)
-    for q_len, kv_len in ((20, 20), (18, 50), (3, 40)):
+    for q_len, kv_len in ((20, 20), (18, 50), (3, 40), (70, 90)):
         rows.append(StepRow([1] * q_len, kv_len - q_len, table(kv_len), False))
     return rows, shared
 
@@ -78,11 +79,11 @@ def test_long_decode_rows_are_split_and_groups_share_their_prefix_items() -> Non
     _, _, meta = lay_out(rows, torch.device("cpu"), shared)
     plan = plan_step(meta, torch.device("cpu"))
     items = plan.items.tolist()
-    n_q = [it[1] for it in items]
     # One item for the group's 3 rows over the 40-slot prefix; each row's own keys (the long one in two splits);
-    # the prefill chunks in blocks of 16 queries.
+    # the prefill chunks (20, 18, 3 and 70 queries) in items of up to 64 queries, launched apart.
     assert items[0][1:4] == [3, 0, 40]
-    assert n_q == [3, 1, 1, 1, 1, 16, 4, 16, 2, 3]
+    assert [it[1] for it in items] == [3, 1, 1, 1, 1]
+    assert [it[1] for it in plan.extend_items.tolist()] == [20, 18, 3, 64, 6]
     assert not plan.single and sorted(set(plan.dest.tolist())) == list(range(meta.out_slots.numel()))
 
 

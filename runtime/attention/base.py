@@ -82,6 +82,9 @@ PLAIN = AttnOptions()
 class AttentionBackend(ABC):
     """Stores this step's K/V into the pool and computes attention for every token of the batch."""
 
+    # CUDA: plain decode steps may replay captured graphs (``runtime.cuda_graph``) beside this backend's steps.
+    graph_capturable: bool = False
+
     def prepare(self, meta: AttentionMetadata, pool: KVPool) -> Any:
         """Per-step work shared by every layer (gather indices, masks), done once per forward pass; its result
         is handed to each ``forward`` call of that pass as ``state``."""

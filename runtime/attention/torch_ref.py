@@ -93,7 +93,7 @@ def _windowed(slots: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[tor
 def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
     """Rows of ``pool.kv[layer].view(-1, head_dim)`` holding the keys, then the values, of ``slots``, head by head:
     gathered, they read as ``[2, Hkv, len(slots), D]``."""
-    starts = torch.arange(2 * pool.num_kv_heads, device=slots.device) * pool.num_slots
+    starts = torch.arange(2 * pool.num_kv_heads, device=slots.device) * pool.slot_rows
     return (starts[:, None] + slots.reshape(1, -1)).reshape(-1)
 
 
@@ -175,7 +175,7 @@ class TorchReferenceBackend(AttentionBackend):
                 bias = torch.zeros(b, width, dtype=torch.float32, device=real.device).masked_fill_(~real, float("-inf"))
                 n_kv = pool.num_kv_heads
                 bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
-                heads = torch.arange(n_kv, device=real.device) * pool.num_slots
+                heads = torch.arange(n_kv, device=real.device) * pool.slot_rows
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
                 decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
         kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)

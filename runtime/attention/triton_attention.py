@@ -11,7 +11,9 @@ One kernel does every kind of attention a step needs, over the KV pool in place 
   *partial*). ``_merge`` combines a row's partials exactly, as flash-decoding does.
 * **Decode rows** are split along their context into items of ``SPLIT_KEYS`` keys, so a long row keeps many
   programs busy.
-* **Prefill chunks** are items of ``BLOCK_M`` queries over the whole sequence.
+* **Prefill chunks** are items of ``EXTEND_BLOCK_M`` queries over the whole sequence, launched apart from the
+  decode rows' items with larger tiles (``EXTEND_BLOCK_M`` x ``EXTEND_BLOCK_N``): a prefill item is bound by its
+  matmuls, a decode item by reading its keys.
 * **Cascade:** the decode rows of a prefix group (``PrefixGroup``: one radix-tree node's slots) share items over
   that prefix, ``BLOCK_M`` rows to an item, so the prefix's K/V is read once per item instead of once per row.
   Their own slots follow as items of their own.
@@ -35,8 +37,10 @@ from radixserve.runtime.kv_pool import KVPool
 
 # Triton's interpreter (the tests, on the CPU) computes 16-bit dot products wrongly: there they run in float32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M = 16  # query rows per item
+BLOCK_M = 16  # query rows per item of decode rows (a cascade item takes up to this many rows)
 BLOCK_N = 32  # keys per inner step
+EXTEND_BLOCK_M = 64  # query rows per item of a prefill chunk
+EXTEND_BLOCK_N = 64
 SPLIT_KEYS = 256  # keys per item of a decode row
 
 
@@ -119,7 +123,8 @@ class _Plan:
     q_row: torch.Tensor  # [P] int32: the query row of each partial row
     q_pos: torch.Tensor  # [P] int32: its position
     dest: torch.Tensor  # [P] int64: the output row it contributes to
-    items: torch.Tensor  # [I, 5] int32: (p0, n_q, slot_off, n_k, k_pos0)
+    items: torch.Tensor  # [I, 5] int32: (p0, n_q, slot_off, n_k, k_pos0), of decode rows (BLOCK_M)
+    extend_items: torch.Tensor  # [J, 5] int32: the same, of prefill chunks (EXTEND_BLOCK_M)
     slots: torch.Tensor  # [S] int32: every item's key slots, one run after another
     single: bool  # every output row has exactly one partial row, in order (no merge needed)
 
@@ -130,6 +135,7 @@ class _PlanBuilder:
         self.q_pos: list[int] = []
         self.dest: list[int] = []
         self.items: list[tuple[int, int, int, int, int]] = []
+        self.extend_items: list[tuple[int, int, int, int, int]] = []
         self.slots: list[torch.Tensor] = []
         self.n_slots = 0
 
@@ -139,14 +145,14 @@ class _PlanBuilder:
         self.n_slots += slots.numel()
         return off
 
-    def item(self, rows: list[tuple[int, int]], slot_off: int, n_k: int, k_pos0: int) -> None:
+    def item(self, rows: list[tuple[int, int]], slot_off: int, n_k: int, k_pos0: int, extend: bool = False) -> None:
         """Query rows ``(row, position)`` against ``n_k`` keys from ``slot_off`` at positions ``k_pos0...``."""
         p0 = len(self.q_row)
         for row, pos in rows:
             self.q_row.append(row)
             self.q_pos.append(pos)
             self.dest.append(row)
-        self.items.append((p0, len(rows), slot_off, n_k, k_pos0))
+        (self.extend_items if extend else self.items).append((p0, len(rows), slot_off, n_k, k_pos0))
 
     def build(self, device: torch.device, num_rows: int) -> _Plan:
         i32 = dict(dtype=torch.int32, device=device)
@@ -154,7 +160,8 @@ class _PlanBuilder:
         single = self.dest == list(range(num_rows))
         slots = torch.cat(self.slots).to(**i32) if self.slots else torch.zeros(1, **i32)
         return _Plan(torch.tensor(self.q_row, **i32), torch.tensor(self.q_pos, **i32), dest,
-                     torch.tensor(self.items, **i32).reshape(-1, 5), slots, single)  # fmt: skip
+                     torch.tensor(self.items, **i32).reshape(-1, 5),
+                     torch.tensor(self.extend_items, **i32).reshape(-1, 5), slots, single)  # fmt: skip
 
 
 def plan_step(meta: AttentionMetadata, device: torch.device, cascade: bool = True) -> _Plan:
@@ -183,9 +190,9 @@ def plan_step(meta: AttentionMetadata, device: torch.device, cascade: bool = Tru
         slots = seq.kv_slots if seq.kv_slots is not None else meta.out_slots[seq.q_start : seq.q_start + seq.q_len]
         off = b.key_run(slots)
         first = seq.kv_len - seq.q_len
-        for i in range(0, seq.q_len, BLOCK_M):
-            rows = [(seq.q_start + j, first + j) for j in range(i, min(seq.q_len, i + BLOCK_M))]
-            b.item(rows, off, seq.kv_len, 0)
+        for i in range(0, seq.q_len, EXTEND_BLOCK_M):
+            rows = [(seq.q_start + j, first + j) for j in range(i, min(seq.q_len, i + EXTEND_BLOCK_M))]
+            b.item(rows, off, seq.kv_len, 0, extend=True)
     return b.build(device, num_rows)
 
 
@@ -197,13 +204,16 @@ def paged_attention(
     parts = plan.q_row.numel()
     out = torch.empty(parts, h, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(parts, h, dtype=torch.float32, device=q.device)
-    if plan.items.shape[0]:
-        grid = (plan.items.shape[0], h)
-        _paged_attention_kernel[grid](
-            q, kv, plan.slots, plan.q_row, plan.q_pos, plan.items, out, lse,
+    block_d = max(16, triton.next_power_of_2(d))
+    launches = ((plan.items, BLOCK_M, BLOCK_N), (plan.extend_items, EXTEND_BLOCK_M, EXTEND_BLOCK_N))
+    for items, block_m, block_n in launches:
+        if not items.shape[0]:
+            continue
+        _paged_attention_kernel[(items.shape[0], h)](
+            q, kv, plan.slots, plan.q_row, plan.q_pos, items, out, lse,
             q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), out.stride(0), out.stride(1),
             lse.stride(0), scale, softcap, window, h // kv.shape[1],
-            D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
             EXACT=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
         )  # fmt: skip
     if plan.single:
@@ -225,6 +235,8 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, dest: torch.Tensor, rows: int) 
 
 class TritonBackend(AttentionBackend):
     """``AttentionBackend`` over ``paged_attention``: K/V written into the pool, then one launch per layer."""
+
+    graph_capturable = True
 
     def __init__(self, cascade: bool = True) -> None:
         self.cascade = cascade
