@@ -88,8 +88,39 @@ class ModelRunner:
         # A chunk's last row attends to all of its KV, so a NaN or inf anywhere in this step's K/V of that request
         # shows there: such a request fails here, before its KV can be cached. (One sum per row costs 30x less
         # than isfinite().all(); finite values would need magnitudes near 1e34 to overflow the sum.)
-        bad_rows = (~torch.isfinite(hidden[self._tensor(last_rows)].float().sum(dim=-1))).nonzero().flatten().tolist()
-        for i in bad_rows:
+        hidden_ok = torch.isfinite(hidden[self._rows(last_rows, hidden.shape[0])].float().sum(dim=-1))
+
+        # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
+        candidates = [
+            i
+            for i, c in enumerate(plan.chunks)
+            if not c.draft and c.sample and c.req.params.max_new_tokens > len(c.req.output_ids)
+        ]
+        fast = (
+            bool(candidates)
+            and not any(c.draft or c.req.wants_prompt_logprobs for c in plan.chunks)
+            and self.sampler.argmax_only([plan.chunks[i].req for i in candidates])
+        )
+        if fast:
+            # Every sampled row is plain greedy: the step's one host sync reads tokens and checks together.
+            logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], len(last_rows))])
+            tokens = logits[:, : self.sampler.vocab_size].argmax(dim=-1)
+            logits_ok = torch.isfinite(logits.float().sum(dim=-1))
+            flags = torch.cat([hidden_ok.long(), logits_ok.long(), tokens]).tolist()
+            m = len(candidates)
+            for i, ok in enumerate(flags[:n]):
+                if not ok:
+                    errors[i] = Failure("the model produced non-finite hidden states for this request")
+            for j, i in enumerate(candidates):
+                if i in errors:
+                    continue
+                if not flags[n + j]:
+                    errors[i] = Failure("the model produced non-finite logits for this request")
+                else:
+                    next_tokens[i] = flags[n + m + j]
+            return StepResult(next_tokens, logprobs, prompt_lps, errors, {})
+
+        for i in (~hidden_ok).nonzero().flatten().tolist():
             errors[i] = Failure("the model produced non-finite hidden states for this request")
 
         sample_idx: list[int] = []
@@ -110,7 +141,7 @@ class ModelRunner:
             offset += length
 
         if sample_idx:
-            logits = self.model.compute_logits(hidden[self._tensor(sample_rows)]).float()
+            logits = self.model.compute_logits(hidden[self._rows(sample_rows, hidden.shape[0])]).float()
             bad = ~torch.isfinite(logits.sum(dim=-1))  # as for the hidden states above
             if bool(bad.any()):
                 # A numerical fault must fail its own request with a reason, never turn into a bogus token.
@@ -124,6 +155,16 @@ class ModelRunner:
         if verify:
             self._verify(plan, verify, hidden, next_tokens, accepted, errors)
         return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted)
+
+    def _rows(self, rows: list[int], total: int) -> slice | torch.Tensor:
+        """An index of ``rows`` out of ``total``: a slice when they are all of them in order (every decode step),
+        else a tensor copied without blocking on the GPU's work (a pageable copy waits for the stream)."""
+        if len(rows) == total and rows[-1] == total - 1 and rows == list(range(total)):
+            return slice(None)
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def _verify(
         self,

@@ -272,6 +272,24 @@ class Sampler:
             dead = torch.isneginf(x.amax(dim=-1))  # rows left with nothing
             x[r_t, c_t] = torch.where(dead[r_t], saved, x[r_t, c_t])
 
+    def argmax_only(self, reqs: Sequence[Req]) -> bool:
+        """Whether every row's token is the argmax of its logits as they are: greedy, no grammar, no logit edits
+        (bias, penalties, a min_new_tokens mask still on), no log-probs."""
+        for r in reqs:
+            p = r.params
+            if (
+                not p.greedy
+                or r.grammar is not None
+                or p.return_logprob
+                or p.logit_bias
+                or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0
+                or len(r.output_ids) < p.min_new_tokens
+            ):
+                return False
+        return True
+
     def sample(self, logits: torch.Tensor, reqs: Sequence[Req], allowed: torch.Tensor | None = None) -> SampleOutput:
         """Pick one token per row of ``logits`` [B, V'] (V' >= vocab_size; padding columns are never picked).
 

@@ -131,6 +131,9 @@ def decode_attention(
     softcap: float = 0.0,
     window: int = 0,
     out: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Each row's query heads over its first ``lens[b]`` table entries; launches two kernels, no host sync, and
     allocates only its scratch, so it can be captured in a CUDA graph. Returns ``out`` [B, H, D] in q's dtype."""
@@ -146,8 +149,9 @@ def decode_attention(
         q, kv, table, rows, lens, part_out, part_lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), table.stride(0), h,
         scale, softcap, window,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits,
         EXACT=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )  # fmt: skip
     _merge_kernel[(bsz, h)](part_out, part_lse, out, out.stride(0), out.stride(1), h, D=d, BLOCK_D=block_d,
                             SPLITS=splits)  # fmt: skip
