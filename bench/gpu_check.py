@@ -498,7 +498,7 @@ def check_profile(eng, bw: float) -> None:  # noqa: ANN001
                             if best is None or dt < best[0]:
                                 best = (dt, block_n, warps, stages, splits)
                             if (block_n, warps, stages, splits) == (32, 4, 3, default):
-                                print(f"    batch {batch}: the current tiles and splits ({splits}): {dt * 1e6:.0f} us = "
+                                print(f"    batch {batch}, current tiles, {splits} splits: {dt * 1e6:.0f} us = "
                                       f"{kv_bytes / dt / bw:.0%} of the copy bandwidth")  # fmt: skip
             dt, *cfg = best
             print(f"  decode kernel, batch {batch}: best {dt * 1e6:.0f} us (BLOCK_N/warps/stages/splits {cfg}) = "
