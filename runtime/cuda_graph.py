@@ -59,9 +59,13 @@ class SlotTable:
         self.table = torch.full((rows + 1, width), scratch_slot, dtype=torch.int32, device=device)
         self._free = list(range(rows - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
+        self._staging = torch.empty(3, 4096, dtype=torch.int64, pin_memory=self.table.is_cuda)
 
-    def sync(self, reqs: list[tuple[Req, int]]) -> list[int]:
-        """Make each request's row hold its slots up to ``end`` (exclusive); returns the rows, in order."""
+    def sync(self, reqs: list[tuple[Req, int]], last_on_device: bool = False) -> list[int]:
+        """Make each request's row hold its slots up to ``end`` (exclusive); returns the rows, in order. With
+        ``last_on_device`` the entry at ``end - 1`` is left to the caller, who writes it on the device (a decode
+        step's new slot, which the graph writes from its inputs): a steady decode step copies nothing here."""
+        last = 1 if last_on_device else 0
         live = {req.rid for req, _ in reqs}
         out: list[int] = []
         at_row: list[int] = []
@@ -75,15 +79,21 @@ class SlotTable:
             if entry.synced < end:
                 if end > self.width:
                     raise ValueError(f"position {end - 1} is past the slot table's {self.width} columns")
-                new = req.slots[entry.synced : end]
+                new = req.slots[entry.synced : end - last]
                 at_row.extend([entry.row] * len(new))
-                at_pos.extend(range(entry.synced, end))
+                at_pos.extend(range(entry.synced, end - last))
                 values.extend(new)
                 entry.synced = end
             out.append(entry.row)
         if values:
-            update = torch.tensor([at_row, at_pos, values], dtype=torch.int64, pin_memory=self.table.is_cuda)
-            update = update.to(self.table.device, non_blocking=True)
+            n = len(values)
+            if self._staging.shape[1] < n:  # grown, never shrunk: new requests' whole rows pass through it
+                self._staging = torch.empty(3, max(n, 2 * self._staging.shape[1]), dtype=torch.int64,
+                                            pin_memory=self.table.is_cuda)  # fmt: skip
+            # Reused every step: the step before ended by reading its tokens, so its copy out of here is done.
+            staged = self._staging[:, :n]
+            staged.numpy()[:] = (at_row, at_pos, values)
+            update = staged.to(self.table.device, non_blocking=True)
             self.table[update[0], update[1]] = update[2].to(torch.int32)
         return out
 
@@ -119,8 +129,8 @@ class GraphDecodeBackend(AttentionBackend):
         pool.store(layer, meta.out_slots, k, v)
         scale = options.scale if options.scale is not None else q.shape[-1] ** -0.5
         return decode_attention(
-            q.contiguous(), pool.kv[layer], self.table.table, self.rows, self.lens, self.splits, scale,
-            options.softcap or 0.0, options.window or 0,
+            q if q.stride(-1) == 1 else q.contiguous(), pool.kv[layer], self.table.table, self.rows, self.lens,
+            self.splits, scale, options.softcap or 0.0, options.window or 0,
         )  # fmt: skip
 
 
@@ -165,6 +175,9 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         io = self.io
+        # Each row's new slot into its table row, on the device (``SlotTable.sync(last_on_device=True)``); the
+        # padding rows write the scratch slot into the padding row.
+        self.table.table[io[3, :bs], io[1, :bs]] = io[2, :bs].to(torch.int32)
         meta = AttentionMetadata(
             out_slots=io[2, :bs], num_decode=bs, decode_slots=None, decode_mask=None, extends=()
         )
@@ -180,7 +193,7 @@ class DecodeGraphs:
         """The step's final hidden states [B, hidden] (a view of the graph's output: read it before the next)."""
         b = len(plan.chunks)
         bs = next(x for x in self.buckets if x >= b)
-        rows = self.table.sync([(c.req, c.end) for c in plan.chunks])
+        rows = self.table.sync([(c.req, c.end) for c in plan.chunks], last_on_device=True)
         h = self._host
         for i, c in enumerate(plan.chunks):
             req, p = c.req, c.start

