@@ -88,7 +88,8 @@ class ModelRunner:
         # A chunk's last row attends to all of its KV, so a NaN or inf anywhere in this step's K/V of that request
         # shows there: such a request fails here, before its KV can be cached. (One sum per row costs 30x less
         # than isfinite().all(); finite values would need magnitudes near 1e34 to overflow the sum.)
-        hidden_ok = torch.isfinite(hidden[self._rows(last_rows, hidden.shape[0])].float().sum(dim=-1))
+        n_rows = hidden.shape[0]
+        hidden_ok = torch.isfinite(hidden[self._rows(last_rows, n_rows)].float().sum(dim=-1))
 
         # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
         candidates = [
@@ -103,7 +104,7 @@ class ModelRunner:
         )
         if fast:
             # Every sampled row is plain greedy: the step's one host sync reads tokens and checks together.
-            logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], len(last_rows))])
+            logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], n_rows)])
             tokens = logits[:, : self.sampler.vocab_size].argmax(dim=-1)
             logits_ok = torch.isfinite(logits.float().sum(dim=-1))
             flags = torch.cat([hidden_ok.long(), logits_ok.long(), tokens]).tolist()
@@ -120,11 +121,17 @@ class ModelRunner:
                     next_tokens[i] = flags[n + m + j]
             return StepResult(next_tokens, logprobs, prompt_lps, errors, {})
 
-        for i in (~hidden_ok).nonzero().flatten().tolist():
-            errors[i] = Failure("the model produced non-finite hidden states for this request")
+        # The general path: the checks first (one transfer for both), then prompt log-probs, drafts and sampling.
+        logits = None
+        if candidates:
+            logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], n_rows)]).float()
+            flags = torch.cat([hidden_ok, torch.isfinite(logits.sum(dim=-1))]).tolist()
+        else:
+            flags = hidden_ok.tolist()
+        for i, ok in enumerate(flags[:n]):
+            if not ok:
+                errors[i] = Failure("the model produced non-finite hidden states for this request")
 
-        sample_idx: list[int] = []
-        sample_rows: list[int] = []
         verify: list[tuple[int, int]] = []  # (chunk, its first row) of chunks with drafts
         accepted: dict[int, list[int]] = {}
         offset = 0
@@ -132,26 +139,24 @@ class ModelRunner:
             length = chunk.num_tokens
             if i not in errors and chunk.draft:
                 verify.append((i, offset))
-            elif i not in errors:
-                if chunk.sample and chunk.req.params.max_new_tokens > len(chunk.req.output_ids):
-                    sample_idx.append(i)
-                    sample_rows.append(offset + length - 1)
-                if chunk.req.wants_prompt_logprobs:
-                    prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
+            elif i not in errors and chunk.req.wants_prompt_logprobs:
+                prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
             offset += length
 
-        if sample_idx:
-            logits = self.model.compute_logits(hidden[self._rows(sample_rows, hidden.shape[0])]).float()
-            bad = ~torch.isfinite(logits.sum(dim=-1))  # as for the hidden states above
-            if bool(bad.any()):
+        keep: list[int] = []  # positions in candidates of the rows to sample
+        for j, i in enumerate(candidates):
+            if i in errors:
+                continue
+            if not flags[n + j]:
                 # A numerical fault must fail its own request with a reason, never turn into a bogus token.
-                for j in bad.nonzero().flatten().tolist():
-                    errors[sample_idx[j]] = Failure("the model produced non-finite logits for this request")
-                keep = [j for j in range(len(sample_idx)) if not bad[j]]
-                sample_idx = [sample_idx[j] for j in keep]
-                logits = logits[self._tensor(keep)]
-            if sample_idx:
-                self._sample(plan, sample_idx, logits, next_tokens, logprobs, errors)
+                errors[i] = Failure("the model produced non-finite logits for this request")
+            else:
+                keep.append(j)
+        if keep:
+            assert logits is not None
+            if len(keep) < len(candidates):
+                logits = logits[self._rows(keep, len(candidates))]
+            self._sample(plan, [candidates[j] for j in keep], logits, next_tokens, logprobs, errors)
         if verify:
             self._verify(plan, verify, hidden, next_tokens, accepted, errors)
         return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted)
@@ -177,7 +182,7 @@ class ModelRunner:
     ) -> None:
         """Logits at every position of the chunks with drafts (one matmul), then each request's verification."""
         rows = [r for i, first in verify for r in range(first, first + plan.chunks[i].num_tokens)]
-        logits = self.model.compute_logits(hidden[self._tensor(rows)]).float()
+        logits = self.model.compute_logits(hidden[self._rows(rows, hidden.shape[0])]).float()
         at = 0
         for i, _ in verify:
             chunk = plan.chunks[i]

@@ -78,7 +78,10 @@ class Req:
         self.error_code: str | None = None  # an ``ErrorCode`` value when ``finish_reason`` is ERROR
         self.output_logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob] = []
-        self.generator: Any = None  # torch.Generator, created by the sampler on first use (seeded when asked)
+        # Sampling randomness (``runtime.sampler``): the request's seed (``params.seed``, or one from the engine's RNG
+        # at its first draw) and how many uniforms it has drawn; draw k is a function of (seed, k) alone.
+        self.rng_seed: int | None = None
+        self.rng_draws = 0
         self.num_retractions = 0
         # Grammar matcher state (a constrained.Matcher) and the compile future it comes from.
         self.grammar: Any = None

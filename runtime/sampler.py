@@ -1,9 +1,11 @@
 """Batched next-token sampling: grammar mask, logit bias, penalties, then greedy or seeded sampling.
 
-One call handles a whole decode batch, vectorized over it. The only per-row Python step is drawing one uniform
-number from each sampled request's own ``torch.Generator``; the token is then found for all rows at once by
-inverse-CDF search. So a seeded request produces the same tokens whatever else shares its batch and whichever
-row it occupies, and since the generators live on the CPU, on whichever device the logits are.
+One call handles a whole decode batch, vectorized over it. Each sampled request draws one uniform number per
+token from its own counter-based stream: draw ``k`` of a request with seed ``s`` is ``splitmix64(s + (k + 1) *
+golden)``, computed for all rows at once on the logits' device (``counter_uniforms``; 64-bit integer ops that give
+the same bits on CPU and CUDA); the token is then found for all rows at once by inverse-CDF search. So a seeded
+request produces the same tokens whatever else shares its batch, whichever row it occupies and on whichever
+device, and no generator state has to come back to the host.
 
 Order of operations for a row (each step is skipped for the whole batch when no row needs it):
   1. grammar mask (disallowed tokens become -inf);
@@ -31,6 +33,18 @@ _LOGPROB_CHUNK_ELEMS = 1 << 26
 # top_k / top_p first look at this many best candidates; rows whose cut lies further down get a full sort.
 TOP_WINDOW = 256
 _NEG_INF = float("-inf")
+
+
+def _vec(data: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)`` on ``device``, without a blocking copy on a GPU."""
+    return _host_to(torch.tensor(data, dtype=dtype), device)
+
+
+def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU through pinned memory without blocking (a pageable copy waits for the stream)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class NoAllowedTokenError(ValueError):
@@ -86,8 +100,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> l
 def _flat_positions(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``row * V + id`` for every id of every row, as one tensor (ids outside the vocabulary are dropped)."""
     lengths = [len(ids) for ids in id_lists]
-    ids = torch.tensor(list(itertools.chain.from_iterable(id_lists)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), torch.tensor(lengths, device=device))
+    ids = _vec(list(itertools.chain.from_iterable(id_lists)), device, torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), _vec(lengths, device))
     valid = (ids >= 0) & (ids < vocab_size)
     return (rows * vocab_size + ids)[valid]
 
@@ -124,8 +138,9 @@ def _mask_disallowed(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     bias = allowed.to(x.dtype).sub_(1).mul_(inf).nan_to_num_(nan=0.0, neginf=-inf)
     x.add_(bias)
     # Disallowed +inf (a tiny temperature can overflow a logit) or nan became nan: those must read -inf, while an
-    # allowed nan stays nan, as with masked_fill. Rare, so the slow exact fix runs only when a nan is there.
-    if bool(torch.isnan(x).any()):
+    # allowed nan stays nan, as with masked_fill. Rare, so on CPU the slow exact fix runs only when a nan is there;
+    # on a GPU it always runs (cheap there, and asking whether a nan is there would be a host sync).
+    if x.is_cuda or bool(torch.isnan(x).any()):
         x.masked_fill_(torch.isnan(x) & ~allowed, -inf)
     return x
 
@@ -138,31 +153,71 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """
     dev, v = xs.device, xs.shape[-1]
     if any(p.temperature != 1.0 for p in params):
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temp = _vec([p.temperature for p in params], dev, torch.float32)
         xs = xs / temp[:, None]
     cut_rows = [j for j, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]
     if cut_rows:
-        idx = torch.tensor(cut_rows, device=dev)
+        idx = _vec(cut_rows, dev)
         every_row = len(cut_rows) == len(params)
         sub = xs if every_row else xs[idx]
-        k = torch.tensor([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], device=dev)
-        p = torch.tensor([params[j].top_p for j in cut_rows], dtype=torch.float32, device=dev)
+        k = _vec([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], dev)
+        p = _vec([params[j].top_p for j in cut_rows], dev, torch.float32)
         lse_row = torch.logsumexp(sub, dim=-1)
         vals = sub.topk(min(TOP_WINDOW, v), dim=-1).values
         threshold, complete = _top_k_top_p_cut(vals, k, p, lse_row, v)
-        redo = (~complete).nonzero().flatten()
-        if redo.numel():
-            full = sub[redo].sort(dim=-1, descending=True).values
-            threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
+        if dev.type == "cuda":
+            # No host sync to find the rows whose cut lies past the window: every row is sorted whole (tens of
+            # microseconds on a GPU) and those rows take that threshold (the same value, exactly, for the others).
+            full = sub.sort(dim=-1, descending=True).values
+            threshold = torch.where(complete, threshold, _top_k_top_p_cut(full, k, p, lse_row, v)[0])
+        else:
+            redo = (~complete).nonzero().flatten()
+            if redo.numel():
+                full = sub[redo].sort(dim=-1, descending=True).values
+                threshold[redo] = _top_k_top_p_cut(full, k[redo], p[redo], lse_row[redo], v)[0]
         # Out of place: ``xs`` may still be the caller's tensor, whose rows also feed logprobs.
         sub = _mask_disallowed(sub.clone(), ~(sub < threshold[:, None]))
         xs = sub if every_row else xs.index_put((idx,), sub)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        min_p = _vec([p.min_p for p in params], dev, torch.float32)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.
         threshold = xs.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
         xs = _mask_disallowed(xs.clone(), ~(xs < threshold))
     return xs
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(v: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit ``v`` (torch multiplies int64 with wrap-around)."""
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (``>>`` on int64 copies the sign bit)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def counter_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in [0, 1): draw ``counters[i]`` of the stream ``seeds[i]`` (int64 bits of the seed),
+    splitmix64 of ``seed + (counter + 1) * golden``, top 53 bits. Equal to ``uniform_at`` bit for bit."""
+    z = seeds + (counters + 1) * _signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) * 2.0**-53
+
+
+def uniform_at(seed: int, counter: int) -> float:
+    """``counter_uniforms`` for one draw, in Python integers (the host-side draws of speculative verification)."""
+    z = (seed + (counter + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
 
 
 def _draw(xs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -182,10 +237,11 @@ class Sampler:
     """Turns a batch of logits into one token per request.
 
     Invariants:
-      * a sampled row consumes exactly one uniform from ``req.generator`` per step and nothing else; the
-        generator is a CPU generator seeded with ``params.seed``, or for unseeded requests from this sampler's
-        own RNG, at first use. So a seeded request's tokens depend on neither batch nor row position;
-      * greedy rows never touch a generator;
+      * a sampled row consumes exactly one uniform of its request's stream per step (``req.rng_draws`` counts
+        them) and nothing else; the stream's seed is ``params.seed``, or for unseeded requests one from this
+        sampler's own RNG, taken at first use. So a seeded request's tokens depend on neither batch nor row
+        position nor device; a draw that fails (a row with no distribution) is not counted, so a retry redraws it;
+      * greedy rows never draw;
       * no token is ever drawn from a distribution that is not one: rows the grammar fully masks raise
         ``NoAllowedTokenError``, and sampled rows with a nan or +inf logit ``NonFiniteLogitsError`` (both
         ``ValueError``: the runner then fails only them). A greedy row takes the argmax as it is, always a token id
@@ -199,16 +255,20 @@ class Sampler:
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(seed)
 
-    def _uniform(self, req: Req) -> float:
-        gen = req.generator
-        if gen is None:
+    def _seed(self, req: Req) -> int:
+        """The request's stream seed (unsigned 64-bit), taken at its first draw."""
+        if req.rng_seed is None:
             seed = req.params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(seed)
-            req.generator = gen
-        return float(torch.rand((), dtype=torch.float64, generator=gen))
+            req.rng_seed = seed & _MASK64
+        return req.rng_seed
+
+    def _uniform(self, req: Req) -> float:
+        """The request's next draw, on the host."""
+        u = uniform_at(self._seed(req), req.rng_draws)
+        req.rng_draws += 1
+        return u
 
     def _apply_penalties(self, x: torch.Tensor, reqs: Sequence[Req]) -> None:
         """In place on contiguous float32 ``x`` [B, V]: logit_bias, repetition, frequency, presence.
@@ -226,12 +286,12 @@ class Sampler:
                         pos.append(i * v + int(tid))
                         vals.append(float(bias))
             if pos:
-                flat.index_add_(0, torch.tensor(pos, device=dev), torch.tensor(vals, device=dev))
+                flat.index_add_(0, _vec(pos, dev), _vec(vals, dev))
 
         if any(p.repetition_penalty != 1.0 for p in params):
             lists = [r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else () for r in reqs]
             pos = torch.unique(_flat_positions(lists, v, dev))
-            rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[pos // v]
+            rep = _vec([p.repetition_penalty for p in params], dev, torch.float32)[pos // v]
             seen = flat[pos]
             # HF semantics: a seen token's positive logit is divided by the penalty, a negative one multiplied
             flat[pos] = torch.where(seen > 0, seen / rep, seen * rep)
@@ -243,8 +303,8 @@ class Sampler:
             ]
             pos, counts = torch.unique(_flat_positions(lists, v, dev), return_counts=True)
             row = pos // v
-            freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[row]
-            pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[row]
+            freq = _vec([p.frequency_penalty for p in params], dev, torch.float32)[row]
+            pres = _vec([p.presence_penalty for p in params], dev, torch.float32)[row]
             flat.index_add_(0, pos, -(freq * counts + pres))
 
     def _apply_min_new_tokens(self, x: torch.Tensor, reqs: Sequence[Req], masked: bool) -> None:
@@ -265,7 +325,7 @@ class Sampler:
             cols.extend(sorted(ids))
         if not rows:
             return
-        r_t, c_t = torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)
+        r_t, c_t = _vec(rows, x.device), _vec(cols, x.device)
         saved = x[r_t, c_t]
         x[r_t, c_t] = _NEG_INF
         if masked:
@@ -335,25 +395,38 @@ class Sampler:
         tokens = x.argmax(dim=-1) if any(greedy) else torch.zeros(b, dtype=torch.long, device=x.device)
         sampled = [i for i in range(b) if not greedy[i]]
         if sampled:
-            idx = torch.tensor(sampled, device=x.device)
+            idx = _vec(sampled, x.device)
             xs = _filter(x if len(sampled) == b else x[idx], [params[i] for i in sampled])
-            # A nan or +inf row has no distribution: the inverse-CDF search would land past the vocabulary. Checked
-            # before any generator is drawn from, so the retry row by row keeps seeded rows reproducible.
-            broken = (~torch.isfinite(xs.amax(dim=-1))).nonzero().flatten().tolist()
-            if broken:
-                raise NonFiniteLogitsError([reqs[sampled[j]].rid for j in broken])
-            uniforms = torch.tensor([self._uniform(reqs[i]) for i in sampled], dtype=torch.float64)
-            tokens[idx] = _draw(xs, uniforms.to(x.device))
+            # A nan or +inf row has no distribution: its draw means nothing. The check is read with the tokens (one
+            # transfer); such a row raises and its draw is not counted, so the retry row by row draws the same.
+            broken = ~torch.isfinite(xs.amax(dim=-1))
+            stream = [(self._seed(reqs[i]), reqs[i].rng_draws) for i in sampled]
+            counters = _host_to(torch.tensor([[_signed(s) for s, _ in stream], [k for _, k in stream]]), x.device)
+            drawn = _draw(xs, counter_uniforms(counters[0], counters[1]))
+            tokens[idx] = drawn.clamp_(max=v - 1)  # a broken row's search may land past the vocabulary
+        else:
+            broken = None
 
         logprobs: list[TokenLogprob | None] = [None] * b
         lp_rows = [i for i in range(b) if want_lp[i]]
         if lp_rows:
-            idx = torch.tensor(lp_rows, device=x.device)
+            if broken is not None and bool(broken.any()):
+                raise NonFiniteLogitsError([reqs[sampled[j]].rid for j in broken.nonzero().flatten().tolist()])
+            idx = _vec(lp_rows, x.device)
             top_n = max(params[i].top_logprobs_num for i in lp_rows)
             for i, entry in zip(lp_rows, token_logprobs(x[idx], tokens[idx], top_n), strict=True):
                 entry.top = entry.top[: params[i].top_logprobs_num]
                 logprobs[i] = entry
-        return SampleOutput(tokens.tolist(), logprobs)
+            token_ids = tokens.tolist()
+        else:
+            flat = torch.cat([tokens, broken.long()]).tolist() if broken is not None else tokens.tolist()
+            token_ids = flat[:b]
+            bad = [reqs[sampled[j]].rid for j, f in enumerate(flat[b:]) if f]
+            if bad:
+                raise NonFiniteLogitsError(bad)
+        for i in sampled:
+            reqs[i].rng_draws += 1
+        return SampleOutput(token_ids, logprobs)
 
     def verify(self, logits: torch.Tensor, req: Req, draft: Sequence[int]) -> tuple[list[int], int]:
         """``(accepted drafts, the token after them)`` from ``logits`` [len(draft) + 1, V']: row ``i`` is the

@@ -55,7 +55,7 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     out = make_sampler().sample(logits, reqs)
     assert out.token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs == [None] * 6
-    assert all(r.generator is None for r in reqs)  # the fast path draws nothing
+    assert all(r.rng_seed is None and r.rng_draws == 0 for r in reqs)  # the fast path draws nothing
 
 
 def test_input_logits_are_not_modified() -> None:
@@ -137,13 +137,14 @@ def test_seed_is_independent_of_batch(params: dict) -> None:
     assert _run_steps(make_sampler(seed=3), batch, 0, 12, logits_seed=7) == alone
 
 
-def test_different_seeds_differ_and_unseeded_requests_get_generators() -> None:
+def test_different_seeds_differ_and_unseeded_requests_get_seeds() -> None:
     runs = [_run_steps(make_sampler(), [make_req("x", seed=s)], 0, 12, logits_seed=8) for s in range(4)]
     assert len({tuple(r) for r in runs}) > 1
     reqs = [make_req("a"), make_req("b")]
     make_sampler().sample(rand_logits(2, seed=9), reqs)
-    assert all(isinstance(r.generator, torch.Generator) for r in reqs)
-    # Unseeded generators come from the sampler's seed: the same engine seed replays the same choices.
+    assert all(isinstance(r.rng_seed, int) and r.rng_draws == 1 for r in reqs)
+    assert reqs[0].rng_seed != reqs[1].rng_seed
+    # Unseeded streams' seeds come from the sampler's seed: the same engine seed replays the same choices.
     a = _run_steps(make_sampler(seed=11), [make_req("a"), make_req("b")], 1, 8, logits_seed=9)
     b = _run_steps(make_sampler(seed=11), [make_req("a"), make_req("b")], 1, 8, logits_seed=9)
     assert a == b
@@ -369,7 +370,7 @@ def test_tiny_temperatures_are_greedy_and_non_finite_rows_fail_alone() -> None:
     with pytest.raises(ValueError, match="nan-row") as info:
         make_sampler().sample(broken, reqs)
     assert isinstance(info.value, NonFiniteLogitsError) and info.value.rids == ["nan-row"]
-    assert all(r.generator is None for r in reqs), "nothing is drawn before raising: the retry stays reproducible"
+    assert all(r.rng_draws == 0 for r in reqs), "no draw is counted before raising: the retry stays reproducible"
     for value in (1e-300, 1e300, float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="repetition_penalty"):
             SamplingParams(repetition_penalty=value).validate(V)
@@ -459,3 +460,33 @@ def test_mask_disallowed_equals_masked_fill(dtype: torch.dtype) -> None:
     got = sampler_mod._mask_disallowed(x.clone(), allowed)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+def test_counter_uniforms_match_the_host_draws_bit_for_bit() -> None:
+    """The streams' uniforms in int64 tensor ops (wrapping multiplies) against Python's unbounded integers, over
+    seeds that cover the sign bit, and their spread."""
+    from radixserve.runtime.sampler import _signed, counter_uniforms, uniform_at
+
+    seeds = [0, 1, 42, 2**62 + 12345, 2**63 - 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15]
+    counters = [0, 1, 7, 1000, 2**31, 5, 3, 2]
+    got = counter_uniforms(torch.tensor([_signed(x) for x in seeds]), torch.tensor(counters)).tolist()
+    assert got == [uniform_at(x, k) for x, k in zip(seeds, counters, strict=True)]
+    many = counter_uniforms(torch.full((20000,), 7), torch.arange(20000))
+    assert many.min().item() >= 0.0 and many.max().item() < 1.0
+    assert abs(many.mean().item() - 0.5) < 0.01 and abs(many.var().item() - 1 / 12) < 0.005
+
+
+def test_a_retried_row_draws_what_it_would_have_drawn() -> None:
+    """A batch that fails on one non-finite row counts no draw: the same rows then sampled one by one give the
+    tokens they get in a batch without the broken row."""
+    logits = rand_logits(3, seed=4)
+    broken = logits.clone()
+    broken[1, 3] = float("nan")
+    fresh = [make_req(f"r{i}", seed=10 + i) for i in range(3)]
+    clean = make_sampler().sample(logits[[0, 2]], [fresh[0], fresh[2]]).token_ids
+    reqs = [make_req(f"r{i}", seed=10 + i) for i in range(3)]
+    sampler = make_sampler()
+    with pytest.raises(NonFiniteLogitsError):
+        sampler.sample(broken, reqs)
+    alone = [sampler.sample(broken[i : i + 1], [reqs[i]]).token_ids[0] for i in (0, 2)]
+    assert alone == clean
