@@ -186,6 +186,14 @@ def check_kernels() -> None:
         ok &= exact and e1 <= tol * 16 and e2 <= tol * 8 and e3 <= tol * 8
     verdict(ok, "elementwise ops: the residual add bit-exact, the rest within a step of their dtype")
 
+    # The sampler's counter-based uniforms: the same bits on the GPU as on the CPU.
+    from radixserve.runtime.sampler import counter_uniforms
+
+    seeds = torch.randint(-(2**63), 2**63 - 1, (4096,), dtype=torch.int64)
+    counters = torch.randint(0, 2**40, (4096,), dtype=torch.int64)
+    same = torch.equal(counter_uniforms(seeds, counters), counter_uniforms(seeds.to(dev), counters.to(dev)).cpu())
+    verdict(same, "sampling uniforms: the GPU's equal the CPU's bit for bit")
+
 
 # --- 2. agreement with HF ----------------------------------------------------------------------------------------
 @section("Agreement with HF transformers (random-weight SmolLM2-135M shape, same weights)")

@@ -82,6 +82,12 @@ class EngineConfig:
     disable_cuda_graph: bool = _opt(
         False, "CUDA: run decode steps eagerly instead of replaying the CUDA graph captured for their batch size."
     )
+    disable_overlap_schedule: bool = _opt(
+        False,
+        "CUDA: run greedy decode steps one at a time. By default the next step is launched, its input tokens taken "
+        "on the GPU, before the current one's results are read and applied (detokenizing, stop checks, outputs), so "
+        "the GPU works meanwhile (SGLang's overlap scheduler); a request that stops costs one wasted row.",
+    )
     cuda_graph_max_bs: int = _opt(
         0, "CUDA: the largest decode batch captured in a graph (larger ones run eagerly); 0: --max-running-requests."
     )

@@ -189,22 +189,27 @@ class DecodeGraphs:
         """Whether the step is plain decode (one token per request, no drafts) of at most ``max_bs`` rows."""
         return len(plan.chunks) <= self.max_bs and all(c.is_decode and not c.draft for c in plan.chunks)
 
-    def run(self, plan: BatchPlan) -> torch.Tensor:
-        """The step's final hidden states [B, hidden] (a view of the graph's output: read it before the next)."""
+    def run(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's final hidden states [B, hidden] (a view of the graph's output: read it before the next).
+        ``tokens``: the rows' input ids on the device, when they are the step before's output, not read back yet
+        (``EngineCore``'s overlap); else they are read from the requests."""
         b = len(plan.chunks)
         bs = next(x for x in self.buckets if x >= b)
         rows = self.table.sync([(c.req, c.end) for c in plan.chunks], last_on_device=True)
         h = self._host
         for i, c in enumerate(plan.chunks):
             req, p = c.req, c.start
-            n = len(req.prompt_ids)
-            h[0, i] = req.prompt_ids[p] if p < n else req.output_ids[p - n]  # all_ids[p], without copying it
+            if tokens is None:
+                n = len(req.prompt_ids)
+                h[0, i] = req.prompt_ids[p] if p < n else req.output_ids[p - n]  # all_ids[p], without copying it
             h[1, i] = c.start
             h[2, i] = c.req.slots[c.start]
             h[3, i] = rows[i]
             h[4, i] = c.end
         self._pad(b, bs)
         self.io[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        if tokens is not None:
+            self.io[0, :b].copy_(tokens)
         if not self._graphs:  # not captured (the CPU tests): the same forward, run eagerly
             return self._forward(bs)[:b]
         graph, out = self._graphs[bs]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from radixserve.runtime import envs
 from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
 from radixserve.runtime.config import EngineConfig
@@ -18,7 +20,7 @@ from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
 from radixserve.runtime.grammar import GrammarViolation, grammar_cut, grammar_failure
 from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.kv_tier import KVTier
-from radixserve.runtime.model_runner import ModelRunner
+from radixserve.runtime.model_runner import ModelRunner, PendingStep
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
 from radixserve.runtime.speculative import Drafter, NgramDrafter, can_speculate
@@ -62,6 +64,10 @@ class EngineCore:
             k, lo, hi = config.speculative_num_draft_tokens, config.speculative_ngram_min, config.speculative_ngram_max
             self.drafter = NgramDrafter(k, min_n=lo, max_n=hi)
         self._to_propose: list[Req] = []  # requests that took a token this step: they may draft for the next
+        # Overlap (CUDA graphs): a greedy decode step launched and not applied yet; the next is launched before it
+        # is read back, so the device runs while its results are applied (``_advance``).
+        self.overlap = runner.graphs is not None and not config.disable_overlap_schedule and drafter is None
+        self._pending: PendingStep | None = None
 
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
@@ -113,20 +119,79 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether ``step`` has something to compute now (compiling grammars wake the loop when done)."""
-        return self.scheduler.has_work() or any(r.grammar_future.done() for r in self.grammar_queue)
+        return (
+            self._pending is not None
+            or self.scheduler.has_work()
+            or any(r.grammar_future.done() for r in self.grammar_queue)
+        )
 
     # --- one step -----------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         outputs = self.poll_grammars() if self.grammar_queue else []
+        if self._pending is not None:
+            outputs += self._advance()
+            if self._pending is not None:  # the next step is in flight already
+                return outputs
         plan = self.scheduler.schedule()
         outputs += [self._finish(req) for req in self.scheduler.take_failed()]
         if plan is None:
             return outputs
-        result = self._run(plan)
         self.stats.forward_steps += 1
+        if self.overlap and self._may_chain(plan) and self.runner.can_launch([c.req for c in plan.chunks]):
+            self._pending = self.runner.launch(plan)  # applied by the next ``step``, after the one after it starts
+            return outputs
+        result = self._run(plan)
         outputs += self._apply(plan, result)
         if self.check_integrity:
             self.cache.check(self.scheduler.holders())
+        return outputs
+
+    def _may_chain(self, plan: BatchPlan) -> bool:
+        """Whether the step after ``plan`` can be planned before ``plan``'s results are in: every row a plain
+        decode, nobody waiting to be admitted (the next step would then be the scheduler's to plan)."""
+        return (
+            not self.scheduler.waiting
+            and not self.grammar_queue
+            and all(c.is_decode and not c.draft for c in plan.chunks)
+        )
+
+    def _continues(self, req: Req) -> bool:
+        """Whether a request in the step in flight takes another token after it, as far as is known before its
+        token is read: not finished, and neither its length nor the context ends it with that token."""
+        return (
+            not req.finished
+            and len(req.output_ids) + 1 < req.params.max_new_tokens
+            and req.total + 1 < self.max_context_len
+        )
+
+    def _advance(self) -> list[ReqOutput]:
+        """Apply the launched step. When every row goes on decoding, the step after it is launched first (one
+        more slot per request, its input tokens the launched step's, taken on the device), so the device runs it
+        while this one's results are read, detokenized and sent. A request that turns out to stop here (EOS, a
+        stop string) had a row in that next step for nothing: its slot was freed with the request, and the row's
+        result is dropped when it is applied."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        nxt = None
+        if self._may_chain(pending.plan):
+            keep = [i for i, c in enumerate(pending.plan.chunks) if self._continues(c.req)]
+            reqs = [pending.plan.chunks[i].req for i in keep]
+            if reqs and self.runner.can_launch(reqs):
+                plan = self.scheduler.lookahead(reqs)
+                if plan is not None:
+                    tokens = pending.tokens
+                    if len(keep) < len(pending.plan.chunks):
+                        index = torch.tensor(keep)
+                        if tokens.is_cuda:  # a pageable copy would wait for the step in flight
+                            index = index.pin_memory().to(tokens.device, non_blocking=True)
+                        tokens = tokens[index]
+                    nxt = self.runner.launch(plan, tokens)
+                    self.stats.forward_steps += 1
+                    self.stats.overlapped_steps += 1
+        outputs = self._apply(pending.plan, self.runner.finish(pending))
+        if self.check_integrity:
+            self.cache.check(self.scheduler.holders())
+        self._pending = nxt
         return outputs
 
     def _run(self, plan: BatchPlan) -> StepResult:

@@ -6,7 +6,8 @@ never touches the slot allocator.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -15,7 +16,7 @@ from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadat
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.kv_pool import KVPool
-from radixserve.runtime.request import ErrorCode, TokenLogprob
+from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
 from radixserve.runtime.step_layout import StepRow, lay_out
 from radixserve.runtime.threads import StepThreads
@@ -29,6 +30,16 @@ class CausalLM(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class PendingStep:
+    """A step launched on the device and not read back yet (``ModelRunner.launch``)."""
+
+    plan: BatchPlan
+    tokens: torch.Tensor  # [n] on the device: the step's tokens, in chunk order (the next step's input)
+    host: torch.Tensor  # [3n]: hidden ok, logits ok, tokens, copied here without blocking
+    done: Any  # the CUDA event recorded after that copy (None on CPU, where the copy has happened)
 
 
 class ModelRunner:
@@ -106,20 +117,8 @@ class ModelRunner:
             # Every sampled row is plain greedy: the step's one host sync reads tokens and checks together.
             logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], n_rows)])
             tokens = logits[:, : self.sampler.vocab_size].argmax(dim=-1)
-            logits_ok = torch.isfinite(logits.float().sum(dim=-1))
-            flags = torch.cat([hidden_ok.long(), logits_ok.long(), tokens]).tolist()
-            m = len(candidates)
-            for i, ok in enumerate(flags[:n]):
-                if not ok:
-                    errors[i] = Failure("the model produced non-finite hidden states for this request")
-            for j, i in enumerate(candidates):
-                if i in errors:
-                    continue
-                if not flags[n + j]:
-                    errors[i] = Failure("the model produced non-finite logits for this request")
-                else:
-                    next_tokens[i] = flags[n + m + j]
-            return StepResult(next_tokens, logprobs, prompt_lps, errors, {})
+            flags = torch.cat([hidden_ok.long(), self._finite(logits), tokens]).tolist()
+            return self._greedy_result(n, candidates, flags)
 
         # The general path: the checks first (one transfer for both), then prompt log-probs, drafts and sampling.
         logits = None
@@ -160,6 +159,59 @@ class ModelRunner:
         if verify:
             self._verify(plan, verify, hidden, next_tokens, accepted, errors)
         return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted)
+
+    def can_launch(self, reqs: list[Req]) -> bool:
+        """Whether a decode step of ``reqs`` (one token each) can be launched without waiting (``launch``): it
+        replays a captured graph and every row takes its argmax."""
+        return self.graphs is not None and 0 < len(reqs) <= self.graphs.max_bs and self.sampler.argmax_only(reqs)
+
+    @torch.inference_mode()
+    def launch(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> PendingStep:
+        """Start a plain greedy decode step (``can_launch``) and return without waiting for it; ``tokens``: its
+        input ids on the device when they are the previous step's output, not read back yet."""
+        assert self.graphs is not None
+        hidden = self.graphs.run(plan, tokens)
+        logits = self.model.compute_logits(hidden)
+        out = logits[:, : self.sampler.vocab_size].argmax(dim=-1)
+        packed = torch.cat([self._finite(hidden), self._finite(logits), out])
+        if self.device.type != "cuda":
+            return PendingStep(plan, out, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(plan, out, host, done)
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step (only for it: steps launched after it keep running) and read its result."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        n = len(pending.plan.chunks)
+        return self._greedy_result(n, list(range(n)), pending.host.tolist())
+
+    @staticmethod
+    def _finite(x: torch.Tensor) -> torch.Tensor:
+        """1 where a row of ``x`` is all finite (one sum per row: see ``_run``), else 0, as int64."""
+        return torch.isfinite(x.float().sum(dim=-1)).long()
+
+    @staticmethod
+    def _greedy_result(n: int, candidates: list[int], flags: list[int]) -> StepResult:
+        """A greedy step's result from what it read back: each chunk's hidden-state check, then each sampled
+        chunk's logits check, then their tokens."""
+        errors: dict[int, Failure] = {}
+        next_tokens: list[int | None] = [None] * n
+        m = len(candidates)
+        for i, ok in enumerate(flags[:n]):
+            if not ok:
+                errors[i] = Failure("the model produced non-finite hidden states for this request")
+        for j, i in enumerate(candidates):
+            if i in errors:
+                continue
+            if not flags[n + j]:
+                errors[i] = Failure("the model produced non-finite logits for this request")
+            else:
+                next_tokens[i] = flags[n + m + j]
+        return StepResult(next_tokens, [None] * n, [[] for _ in range(n)], errors, {})
 
     def _rows(self, rows: list[int], total: int) -> slice | torch.Tensor:
         """An index of ``rows`` out of ``total``: a slice when they are all of them in order (every decode step),

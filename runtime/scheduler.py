@@ -110,6 +110,20 @@ class Scheduler:
         chunks = decodes + extends
         return BatchPlan(tuple([c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]))
 
+    def lookahead(self, reqs: list[Req]) -> BatchPlan | None:
+        """The decode step after the one in flight, for ``reqs`` (each in that step, as a decode whose token is not
+        appended yet): a slot each for the position after it. ``None``, with nothing taken, when the pool is short
+        (cached prefixes may be evicted; nothing is retracted): the caller then lets the step in flight finish."""
+        slots = self.cache.alloc(len(reqs))
+        if slots is None:
+            return None
+        chunks = []
+        for req, slot in zip(reqs, slots, strict=True):
+            req.slots.append(slot)
+            start = req.num_computed + 1
+            chunks.append(ScheduledChunk(req, start, start + 1, sample=True))
+        return BatchPlan(tuple(chunks))
+
     def _is_decoding(self, req: Req) -> bool:
         return req.num_computed > 0 and req.total - req.num_computed == 1
 

@@ -13,6 +13,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # of those, served from the radix cache
     generated_tokens: int = 0
     forward_steps: int = 0
+    overlapped_steps: int = 0  # of those, launched before the step before them was read back (CUDA overlap)
     retractions: int = 0
     forced_tokens: int = 0  # appended by jump-forward, without a forward pass of their own
     spec_steps: int = 0  # speculative verifications (one per request and step that had drafts)

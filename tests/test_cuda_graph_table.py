@@ -108,3 +108,95 @@ def test_a_graph_step_computes_what_the_eager_step_does(tiny_model_dir: Path) ->
         want = loaded.model(ids, positions, ForwardContext(meta, pool, runner.backend)).clone()
         got = graphs.run(plan)  # 3 rows in the bucket of 4: one padding row
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _with_graphs(eng: Engine, overlap: bool) -> None:
+    """Give the engine (CPU, before any request) what a CUDA engine has: a pool with a scratch slot, the decode
+    graphs (run eagerly here, their attention under the Triton interpreter) and the overlap."""
+    from radixserve.runtime.cuda_graph import DecodeGraphs
+    from radixserve.runtime.kv_pool import KVPool
+
+    def patch(core) -> None:  # noqa: ANN001
+        runner, old = core.runner, core.runner.pool
+        pool = KVPool(old.num_slots, len(old.kv), old.num_kv_heads, old.head_dim, old.kv[0].dtype,
+                      torch.device("cpu"), scratch_slots=1)  # fmt: skip
+        runner.pool = pool
+        runner.graphs = DecodeGraphs(runner.model, pool, max_bs=8, max_context=256, device=torch.device("cpu"))
+        core.overlap = overlap
+
+    eng.call(patch)
+
+
+def test_overlapped_decode_gives_the_same_tokens_and_frees_every_slot(tiny_qwen_dir: Path) -> None:
+    """Greedy requests with every way of ending (length, a stop token met part-way, a late arrival that breaks the
+    chain) through graph steps launched one ahead of their results, against the same requests run plainly; then
+    the KV accounting."""
+    import threading
+
+    from tests.test_engine import assert_all_free
+
+    prompts = [[391, 218, 23, 135, 264], [301, 114, 261, 74], [131, 275, 364, 311, 78, 161], [54, 184], [34, 283, 10]]
+    lengths = [30, 3, 25, 1, 9]
+    results = []
+    for overlap in (False, True):
+        eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+        try:
+            if overlap:
+                _with_graphs(eng, overlap=True)
+            greedy = {"max_new_tokens": 30, "temperature": 0}
+            first = eng.generate(input_ids=prompts[0], sampling_params=greedy)["output_ids"]
+            stop = first[5]  # met part-way by the first request, which then stops there (a surprise to the overlap)
+            params = [{"max_new_tokens": n, "temperature": 0, "stop_token_ids": [stop]} for n in lengths]
+            start = threading.Event()
+            late: dict = {}
+
+            def arrive(late=late, eng=eng, start=start, greedy=greedy) -> None:  # noqa: ANN001
+                start.wait(5)
+                late["ids"] = eng.generate(input_ids=[9, 9, 9], sampling_params=greedy)["output_ids"]
+
+            t = threading.Thread(target=arrive)
+            t.start()
+            start.set()
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            t.join()
+            results.append((first, [o["output_ids"] for o in outs], late["ids"]))
+            chained = eng.call(lambda core: core.stats.overlapped_steps)
+            assert (chained > 20) if overlap else chained == 0
+            assert_all_free(eng)
+            assert eng.alive
+        finally:
+            eng.shutdown()
+    assert results[1] == results[0]
+    assert len(results[0][1][0]) == first.index(stop) + 1  # stopped at the stop token, part-way
+
+
+def test_an_abort_while_steps_are_in_flight_frees_its_slots(tiny_qwen_dir: Path) -> None:
+    import threading
+
+    from radixserve.runtime.sampling_params import SamplingParams
+    from tests.test_engine import assert_all_free
+
+    eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+    try:
+        _with_graphs(eng, overlap=True)
+        done = threading.Event()
+        got: list[int] = []
+        box: dict = {}
+
+        def sink(out) -> None:  # noqa: ANN001 - on the engine thread
+            got.extend(out.token_ids)
+            if len(got) >= 3 and "aborted" not in box:
+                box["aborted"] = True
+                eng.abort(box["rid"])
+            if out.finished:
+                box["reason"] = out.finish_reason
+                done.set()
+
+        box["rid"] = eng.submit([391, 218, 23], SamplingParams(max_new_tokens=200, temperature=0), sink)
+        other = eng.generate(input_ids=[301, 114], sampling_params={"max_new_tokens": 40, "temperature": 0})
+        assert done.wait(30)
+        assert box["reason"] is not None and box["reason"].value == "abort" and 3 <= len(got) < 200
+        assert len(other["output_ids"]) == 40
+        assert_all_free(eng)
+    finally:
+        eng.shutdown()
