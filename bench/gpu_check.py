@@ -612,7 +612,8 @@ def check_soak(eng, seconds: float) -> None:  # noqa: ANN001
             prompts.append(head + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 32 if DRY else 512))])
         aborts = {i: rng.uniform(0.0, 1.5) for i in range(len(prompts)) if rng.random() < 0.25}
         new = rng.randint(1, 8 if DRY else 96)
-        res = Timed(eng).run(prompts, SamplingParams(max_new_tokens=new, temperature=0.8, ignore_eos=True), aborts)
+        temp = 0.8 if waves % 2 else 0.0  # sampled waves and greedy ones (which overlap their steps)
+        res = Timed(eng).run(prompts, SamplingParams(max_new_tokens=new, temperature=temp, ignore_eos=True), aborts)
         waves += 1
         done += len(res)
         errors += sum(r["error"] is not None for r in res)
@@ -621,7 +622,9 @@ def check_soak(eng, seconds: float) -> None:  # noqa: ANN001
     info = eng.server_info()
     kv = info["kv_cache"]
     eng.call(lambda core: core.cache.check(core.scheduler.holders()))  # raises on any slot not accounted for
-    print(f"  {waves} waves, {done} requests ({aborted} aborted on a timer), {errors} errors; KV: {kv}")
+    overlapped = eng.call(lambda core: core.stats.overlapped_steps)
+    print(f"  {waves} waves, {done} requests ({aborted} aborted on a timer), {errors} errors; {overlapped} steps "
+          f"overlapped so far; KV: {kv}")  # fmt: skip
     ok = (kv["in_use_tokens"] == 0 and kv["free_tokens"] + kv["evictable_tokens"] == kv["total_tokens"]
           and info["num_running_requests"] == 0 and errors == 0 and eng.alive)  # fmt: skip
     verdict(ok, "after the soak every KV slot is free or cached, none leaked; no errors; the engine serves")
