@@ -184,8 +184,8 @@ def test_tools_auto_with_a_response_format(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT, "strict": True}}
     kw = dict(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, response_format=fmt, max_tokens=150)
     kinds = []
-    for seed in range(3):
-        resp = client.chat.completions.create(**kw, temperature=1.0, n=4, seed=seed)
+    for seed in range(12):  # 48 distinct seeds (choice i of a request takes seed + i)
+        resp = client.chat.completions.create(**kw, temperature=1.0, n=4, seed=seed * 4)
         for out in resp.choices:
             if out.message.tool_calls:
                 assert out.finish_reason == "tool_calls" and out.message.content is None
@@ -197,7 +197,8 @@ def test_tools_auto_with_a_response_format(client: openai.OpenAI) -> None:
                 jsonschema.validate(json.loads(out.message.content), REPORT)
                 kinds.append("answer")
     # Before the union, a response_format made calls impossible: every output was an answer. Sampled here, about
-    # half of them call the tool.
+    # one in ten calls the tool (3 or 4 in 32 seeds, with both samplers this project has had), so 48 seeds
+    # leave a ~0.5% chance, for a given machine's numbers, that none does.
     assert "call" in kinds and "answer" in kinds, kinds
 
 
