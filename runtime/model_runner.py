@@ -127,9 +127,7 @@ class ModelRunner:
             flags = torch.cat([hidden_ok, torch.isfinite(logits.sum(dim=-1))]).tolist()
         else:
             flags = hidden_ok.tolist()
-        for i, ok in enumerate(flags[:n]):
-            if not ok:
-                errors[i] = Failure("the model produced non-finite hidden states for this request")
+        keep = self._checks(n, candidates, flags, errors)  # positions in candidates of the rows to sample
 
         verify: list[tuple[int, int]] = []  # (chunk, its first row) of chunks with drafts
         accepted: dict[int, list[int]] = {}
@@ -142,15 +140,6 @@ class ModelRunner:
                 prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
             offset += length
 
-        keep: list[int] = []  # positions in candidates of the rows to sample
-        for j, i in enumerate(candidates):
-            if i in errors:
-                continue
-            if not flags[n + j]:
-                # A numerical fault must fail its own request with a reason, never turn into a bogus token.
-                errors[i] = Failure("the model produced non-finite logits for this request")
-            else:
-                keep.append(j)
         if keep:
             assert logits is not None
             if len(keep) < len(candidates):
@@ -201,17 +190,27 @@ class ModelRunner:
         errors: dict[int, Failure] = {}
         next_tokens: list[int | None] = [None] * n
         m = len(candidates)
+        for j in ModelRunner._checks(n, candidates, flags, errors):
+            next_tokens[candidates[j]] = flags[n + m + j]
+        return StepResult(next_tokens, [None] * n, [[] for _ in range(n)], errors, {})
+
+    @staticmethod
+    def _checks(n: int, candidates: list[int], flags: list[int], errors: dict[int, Failure]) -> list[int]:
+        """Fail the chunks whose checks failed (``flags``: each chunk's hidden-state check, then each candidate's
+        logits check); returns the positions in ``candidates`` of the rows that passed both."""
         for i, ok in enumerate(flags[:n]):
             if not ok:
                 errors[i] = Failure("the model produced non-finite hidden states for this request")
+        keep = []
         for j, i in enumerate(candidates):
             if i in errors:
                 continue
             if not flags[n + j]:
+                # A numerical fault must fail its own request with a reason, never turn into a bogus token.
                 errors[i] = Failure("the model produced non-finite logits for this request")
             else:
-                next_tokens[i] = flags[n + m + j]
-        return StepResult(next_tokens, [None] * n, [[] for _ in range(n)], errors, {})
+                keep.append(j)
+        return keep
 
     def _rows(self, rows: list[int], total: int) -> slice | torch.Tensor:
         """An index of ``rows`` out of ``total``: a slice when they are all of them in order (every decode step),

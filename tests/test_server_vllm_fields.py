@@ -78,7 +78,9 @@ CASES = [
 @pytest.mark.parametrize(("extra", "check"), CASES, ids=[json.dumps(c[0])[:48] for c in CASES])
 def test_vllm_constraint_fields_are_enforced(client: openai.OpenAI, extra: dict[str, Any], check: Any) -> None:
     finished = 0
-    for seed in (1, 2, 3):
+    # 24 answers: a random model closes a free-form JSON object within 40 tokens about one time in three (7 and 8
+    # of 24, with both samplers this project has had), the other constraints nearly always.
+    for seed in range(1, 13):
         chat = client.chat.completions.create(
             model=MODEL, messages=USER, max_tokens=40, temperature=1.0, seed=seed, extra_body=extra
         )
