@@ -138,8 +138,11 @@ class EngineCore:
             return outputs
         self.stats.forward_steps += 1
         if self.overlap and self._may_chain(plan) and self.runner.can_launch([c.req for c in plan.chunks]):
-            self._pending = self.runner.launch(plan)  # applied by the next ``step``, after the one after it starts
-            return outputs
+            try:
+                self._pending = self.runner.launch(plan)  # applied by the next ``step``, after the one after it
+                return outputs
+            except Exception:  # noqa: BLE001 - run it the plain way, whose halving finds a request at fault
+                logger.exception("launching a decode step failed; running it without the overlap")
         result = self._run(plan)
         outputs += self._apply(plan, result)
         if self.check_integrity:
@@ -173,6 +176,7 @@ class EngineCore:
         pending, self._pending = self._pending, None
         assert pending is not None
         nxt = None
+        undo: list[Req] = []
         if self._may_chain(pending.plan):
             keep = [i for i, c in enumerate(pending.plan.chunks) if self._continues(c.req)]
             reqs = [pending.plan.chunks[i].req for i in keep]
@@ -185,10 +189,17 @@ class EngineCore:
                         if tokens.is_cuda:  # a pageable copy would wait for the step in flight
                             index = index.pin_memory().to(tokens.device, non_blocking=True)
                         tokens = tokens[index]
-                    nxt = self.runner.launch(plan, tokens)
-                    self.stats.forward_steps += 1
-                    self.stats.overlapped_steps += 1
+                    try:
+                        nxt = self.runner.launch(plan, tokens)
+                        self.stats.forward_steps += 1
+                        self.stats.overlapped_steps += 1
+                    except Exception:  # noqa: BLE001 - the scheduler plans the next step the plain way
+                        logger.exception("launching the next decode step failed; it runs without the overlap")
+                        undo = reqs
         outputs = self._apply(pending.plan, self.runner.finish(pending))
+        for req in undo:  # the slot the lookahead took goes back (past num_computed once this step is applied)
+            if not req.finished:
+                self.cache.trim(req)
         if self.check_integrity:
             self.cache.check(self.scheduler.holders())
         self._pending = nxt

@@ -200,3 +200,39 @@ def test_an_abort_while_steps_are_in_flight_frees_its_slots(tiny_qwen_dir: Path)
         assert_all_free(eng)
     finally:
         eng.shutdown()
+
+
+def test_a_launch_that_fails_falls_back_to_the_plain_step(tiny_qwen_dir: Path) -> None:
+    """A step the overlap fails to launch (first ones and chained ones) runs the plain way: same tokens, and the
+    slot a failed lookahead took goes back."""
+    from tests.test_engine import assert_all_free
+
+    prompts = [[391, 218, 23, 135, 264], [301, 114, 261, 74], [54, 184]]
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    outs = []
+    for faulty in (False, True):
+        eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+        try:
+            if faulty:
+                _with_graphs(eng, overlap=True)
+                calls = {"n": 0}
+
+                def patch(core, calls=calls) -> None:  # noqa: ANN001
+                    launch = core.runner.launch
+
+                    def flaky(plan, tokens=None, calls=calls):  # noqa: ANN001, ANN202
+                        calls["n"] += 1
+                        if calls["n"] % 3 == 0:
+                            raise RuntimeError("injected launch failure")
+                        return launch(plan, tokens)
+
+                    core.runner.launch = flaky
+
+                eng.call(patch)
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)])
+            if faulty:
+                assert calls["n"] >= 6 and eng.call(lambda core: core.stats.overlapped_steps) > 0
+            assert_all_free(eng)
+        finally:
+            eng.shutdown()
+    assert outs[1] == outs[0]
