@@ -473,13 +473,13 @@ def check_profile(eng, bw: float) -> None:  # noqa: ANN001
         rows = torch.arange(batch, device="cuda")
         t.table[:batch, :ctx] = torch.randperm(batch * ctx, device="cuda").view(batch, ctx).to(torch.int32)
         bs = next(x for x in g.buckets if x >= batch)
-        g._pad(0, bs)
-        h = g._host
+        host, h = g._next_host()
+        g._pad(h, 0, bs)
         h[1, :batch] = ctx - 1
         h[2, :batch] = pool.scratch_slot
         h[3, :batch] = rows.tolist()
         h[4, :batch] = ctx
-        g.io[:, :bs].copy_(g.host[:, :bs])
+        g.io[:, :bs].copy_(host[:, :bs])
         graph, _ = g._graphs[bs]
         for _ in range(3):
             graph.replay()

@@ -59,7 +59,10 @@ class SlotTable:
         self.table = torch.full((rows + 1, width), scratch_slot, dtype=torch.int32, device=device)
         self._free = list(range(rows - 1, -1, -1))
         self._entries: dict[str, _Entry] = {}
-        self._staging = torch.empty(3, 4096, dtype=torch.int64, pin_memory=self.table.is_cuda)
+        # Pinned staging for new slots, two buffers used in turn (see ``DecodeGraphs``: a buffer is written again
+        # only after the step that copied out of it was read back).
+        self._staging = [torch.empty(3, 4096, dtype=torch.int64, pin_memory=self.table.is_cuda) for _ in range(2)]
+        self._turn = 0
 
     def sync(self, reqs: list[tuple[Req, int]], last_on_device: bool = False) -> list[int]:
         """Make each request's row hold its slots up to ``end`` (exclusive); returns the rows, in order. With
@@ -87,11 +90,11 @@ class SlotTable:
             out.append(entry.row)
         if values:
             n = len(values)
-            if self._staging.shape[1] < n:  # grown, never shrunk: new requests' whole rows pass through it
-                self._staging = torch.empty(3, max(n, 2 * self._staging.shape[1]), dtype=torch.int64,
-                                            pin_memory=self.table.is_cuda)  # fmt: skip
-            # Reused every step: the step before ended by reading its tokens, so its copy out of here is done.
-            staged = self._staging[:, :n]
+            self._turn ^= 1
+            if self._staging[self._turn].shape[1] < n:  # grown, never shrunk: new requests' rows pass through
+                size = max(n, 2 * self._staging[self._turn].shape[1])
+                self._staging[self._turn] = torch.empty(3, size, dtype=torch.int64, pin_memory=self.table.is_cuda)
+            staged = self._staging[self._turn][:, :n]
             staged.numpy()[:] = (at_row, at_pos, values)
             update = staged.to(self.table.device, non_blocking=True)
             self.table[update[0], update[1]] = update[2].to(torch.int32)
@@ -143,8 +146,11 @@ class DecodeGraphs:
         self.max_bs = max_bs
         self.table = SlotTable(max_bs, max_context + 1, pool.scratch_slot, device)
         self.io = torch.zeros(5, max_bs, dtype=torch.int64, device=device)
-        self.host = torch.zeros(5, max_bs, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host = self.host.numpy()
+        # Two pinned staging buffers for ``io``, used in turn. With the overlap a step is launched before the one
+        # before it is read back, so that one's copy out of its buffer may still be pending; the step before
+        # that was read back before this launch, and its copy, queued ahead of it, is done.
+        self._hosts = [torch.zeros(5, max_bs, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(2)]
+        self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def capture(self) -> None:
@@ -152,8 +158,9 @@ class DecodeGraphs:
         start = time.perf_counter()
         mempool = None
         for bs in reversed(self.buckets):
-            self._pad(0, bs)
-            self.io[:, :bs].copy_(self.host[:, :bs])
+            host, h = self._next_host()
+            self._pad(h, 0, bs)
+            self.io[:, :bs].copy_(host[:, :bs])
             with torch.inference_mode():
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -196,7 +203,7 @@ class DecodeGraphs:
         b = len(plan.chunks)
         bs = next(x for x in self.buckets if x >= b)
         rows = self.table.sync([(c.req, c.end) for c in plan.chunks], last_on_device=True)
-        h = self._host
+        host, h = self._next_host()
         for i, c in enumerate(plan.chunks):
             req, p = c.req, c.start
             if tokens is None:
@@ -206,8 +213,8 @@ class DecodeGraphs:
             h[2, i] = c.req.slots[c.start]
             h[3, i] = rows[i]
             h[4, i] = c.end
-        self._pad(b, bs)
-        self.io[:, :bs].copy_(self.host[:, :bs], non_blocking=True)
+        self._pad(h, b, bs)
+        self.io[:, :bs].copy_(host[:, :bs], non_blocking=True)
         if tokens is not None:
             self.io[0, :b].copy_(tokens)
         if not self._graphs:  # not captured (the CPU tests): the same forward, run eagerly
@@ -216,9 +223,15 @@ class DecodeGraphs:
         graph.replay()
         return out[:b]
 
-    def _pad(self, start: int, end: int) -> None:
-        """Rows ``[start, end)`` of the host buffer as padding: token 0 at position 0 into the scratch slot."""
-        h = self._host
+    def _next_host(self) -> tuple[torch.Tensor, Any]:
+        """The staging buffer whose turn it is, and its numpy view."""
+        self._turn ^= 1
+        host = self._hosts[self._turn]
+        return host, host.numpy()
+
+    def _pad(self, h: Any, start: int, end: int) -> None:
+        """Rows ``[start, end)`` of the staging buffer ``h`` (numpy) as padding: token 0 at position 0 into the
+        scratch slot."""
         h[0:2, start:end] = 0
         h[2, start:end] = self.pool.scratch_slot
         h[3, start:end] = self.table.pad_row
