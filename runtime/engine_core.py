@@ -324,6 +324,7 @@ class EngineCore:
             return
         for (req, _), draft in zip(wants, self.drafter.propose_batch(wants), strict=True):
             req.draft_ids = grammar_cut(req.grammar, draft) if draft and req.grammar is not None else draft
+            req.draft_base = req.total
 
     def _jump_forward(self, req: Req, now: float) -> None:
         """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the

@@ -90,6 +90,9 @@ class Req:
         # Speculative decoding: draft tokens proposed for the next step (verified there, never in output_ids until
         # accepted), and the drafter's per-request state (``runtime.speculative.SpecState``).
         self.draft_ids: list[int] = []
+        # ``total`` when the drafts were proposed: they continue that sequence only (a step in between, e.g. a
+        # prefill chunk after a retraction, moves the sequence and its grammar on, and they are dropped).
+        self.draft_base = 0
         self.spec: Any = None
         # KV tier: chain keys of the complete chunks of ``all_ids`` hashed so far (``all_ids`` only grows, so they stay
         # valid); owned by ``KVCacheManager``, which extends them instead of hashing the prompt at every admission.

@@ -152,6 +152,10 @@ class Scheduler:
         """The request's drafts, with a KV slot each, or none: when the batch is too large for greedy rows to
         gain (see ``runtime.speculative``) or the pool has no spare slots (drafts never evict or retract)."""
         draft, req.draft_ids = tuple(req.draft_ids), []
+        if draft and req.draft_base != req.total:
+            # Proposed for another state of the sequence (a step ran in between without consuming them, e.g. the
+            # prefill of a retracted request): a constrained request's grammar has moved on since.
+            draft = ()
         if not draft or (many and req.params.greedy) or self.cache.num_free < len(draft):
             return ()
         slots = self.cache.alloc(len(draft))

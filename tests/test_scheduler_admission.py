@@ -65,3 +65,23 @@ def test_requests_without_max_tokens_do_not_block_admission() -> None:
     plan = sched.schedule()
     assert plan is not None
     assert len(sched.running) >= 8, len(sched.running)
+
+
+def test_drafts_proposed_for_another_state_of_the_sequence_are_dropped() -> None:
+    """Drafts continue the sequence they were proposed for: after a step that moved it on without verifying them
+    (the prefill of a retracted request, a jump-forward's chunk), they are dropped, not verified against a grammar
+    that has moved on (that once failed constrained requests under speculation)."""
+    sched = _scheduler(200)
+    req = Req("r", _prompt(0, 8), SamplingParams(max_new_tokens=8))
+    sched.add(req)
+    _complete(sched.schedule())  # the prompt's KV
+    req.output_ids.append(5)  # the sampled token: the request decodes next
+    req.draft_ids, req.draft_base = [6, 7], req.total
+    plan = sched.schedule()
+    assert plan is not None and plan.chunks[0].draft == (6, 7)
+    req.num_computed = plan.chunks[0].end
+    sched.cache.trim(req)  # the drafts rejected
+    req.output_ids.append(9)
+    req.draft_ids, req.draft_base = [1, 2], req.total - 1  # proposed before the sequence moved on
+    plan = sched.schedule()
+    assert plan is not None and plan.chunks[0].draft == () and plan.chunks[0].is_decode
