@@ -17,6 +17,9 @@ folder when they are missing. ``--tokenizer`` is a folder with SmolLM2's ``token
 
     python bench/gpu_check.py --wheels W --tokenizer T [--soak-s 120] [--only kernels,hf,decode,...]
 
+(``python -m bench.gpu_check`` from the checkout works the same.) Helpers are in ``bench/gpu_common.py``, the
+optional ``profile`` section in ``bench/gpu_profile.py``.
+
 Each section prints its figures and a PASS/FAIL line against the acceptance bar; a section that raises prints its
 traceback and the rest still run.
 """
@@ -29,87 +32,30 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 import threading
 import time
-import traceback
-import zipfile
 from pathlib import Path
 from statistics import median
 
-REPO = Path(__file__).resolve().parents[1]
-SMOLLM2 = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-    "attention_bias": False, "mlp_bias": False,
-}  # fmt: skip
-LLAMA_8B = {
-    **SMOLLM2, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-}  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: ``bench`` from the checkout
+
+from bench.gpu_common import (  # noqa: E402
+    DRY_SHAPE,
+    LLAMA_8B,
+    REPO,
+    SMOLLM2,
+    TARGET,
+    Timed,
+    measure_rates,
+    model_folder,
+    release,
+    section,
+    setup,
+    verdict,
+)  # fmt: skip
+from bench.gpu_profile import check_profile  # noqa: E402
+
 SECTIONS = ("kernels", "hf", "decode", "prefill", "ttft", "soak")  # and "profile", on request
-# --dry-run: every section but the kernels' on the CPU, at toy sizes, to check the script itself before a GPU run.
-DRY_SHAPE = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
-DEVICE = "cuda"
-DRY = False
-
-
-def setup(wheels: Path | None) -> Path:
-    """Make ``radixserve`` and its missing packages importable; returns the scratch folder."""
-    scratch = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    try:
-        import radixserve.runtime  # noqa: F401
-    except ImportError:
-        pkg = scratch / "site" / "radixserve"
-        pkg.mkdir(parents=True)
-        for sub in ("radix", "constrained", "runtime"):
-            (pkg / sub).symlink_to(REPO / sub)
-        sys.path.insert(0, str(scratch / "site"))
-    for module, wheel in (("llguidance", "llguidance-"), ("sortedcontainers", "sortedcontainers-")):
-        try:
-            __import__(module)
-        except ImportError:
-            found = sorted(wheels.glob(wheel + "*.whl")) if wheels else []
-            if not found:
-                raise SystemExit(f"{module} is missing: pass --wheels with its wheel") from None
-            with zipfile.ZipFile(found[-1]) as z:
-                z.extractall(scratch / "wheels")
-            sys.path.insert(0, str(scratch / "wheels"))
-    return scratch
-
-
-def model_folder(root: Path, name: str, config: dict, tokenizer: Path) -> Path:
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in tokenizer.iterdir():
-        shutil.copy(f, folder / f.name)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
-
-def verdict(ok: bool, what: str) -> None:
-    print(f"  {'PASS' if ok else 'FAIL'}: {what}", flush=True)
-
-
-def section(name: str):  # noqa: ANN201 - a decorator
-    def wrap(fn):  # noqa: ANN001, ANN202
-        def run(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-            print(f"\n== {name} ==", flush=True)
-            start = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            except Exception:  # noqa: BLE001 - one section's fault must not hide the others' figures
-                traceback.print_exc()
-                print(f"  FAIL: {name} raised", flush=True)
-            finally:
-                print(f"  ({time.perf_counter() - start:.1f}s)", flush=True)
-
-        return run
-
-    return wrap
 
 
 # --- 1. kernels --------------------------------------------------------------------------------------------------
@@ -124,7 +70,7 @@ def check_kernels() -> None:
     from radixserve.runtime.kv_pool import KVPool
     from radixserve.runtime.step_layout import StepRow, lay_out
 
-    dev = torch.device(DEVICE)
+    dev = torch.device(TARGET.device)
     worst = 0.0
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         for heads, kv_heads, dim, opts in ((32, 8, 128, AttnOptions()), (9, 3, 64, AttnOptions(window=100))):
@@ -212,7 +158,7 @@ def check_hf(root: Path, tokenizer: Path) -> None:
     hf = LlamaForCausalLM(LlamaConfig(**SMOLLM2, rope_parameters=rope)).eval()
     hf.save_pretrained(folder, safe_serialization=True)
     (folder / "config.json").write_text(json.dumps(SMOLLM2, indent=2))  # ours, not HF's rewrite of it
-    hf = hf.to(DEVICE, torch.float32)
+    hf = hf.to(TARGET.device, torch.float32)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randint(8, 120))] for _ in range(16)]
     n_new = 32
@@ -223,13 +169,13 @@ def check_hf(root: Path, tokenizer: Path) -> None:
             ids = list(p)
             gap = []
             for _ in range(n_new):
-                logits = hf(torch.tensor([ids], device=DEVICE)).logits[0, -1].float()
+                logits = hf(torch.tensor([ids], device=TARGET.device)).logits[0, -1].float()
                 top2 = logits.topk(2).values
                 gap.append((top2[0] - top2[1]).item())
                 ids.append(int(logits.argmax()))
             want.append(ids[len(p) :])
             gaps.append(gap)
-    eng = Engine(model=str(folder), device=DEVICE, dtype="float32", max_total_tokens=16384)
+    eng = Engine(model=str(folder), device=TARGET.device, dtype="float32", max_total_tokens=16384)
     try:
         got = [r["output_ids"] for r in eng.generate(
             input_ids=prompts, sampling_params=SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True))]
@@ -249,13 +195,13 @@ def check_hf(root: Path, tokenizer: Path) -> None:
     fp32_top: list[list[int]] = []
     with torch.inference_mode():
         for s in seqs:
-            fp32_top.append(hf(torch.tensor([s], device=DEVICE)).logits[0, :-1].argmax(-1).tolist())
+            fp32_top.append(hf(torch.tensor([s], device=TARGET.device)).logits[0, :-1].argmax(-1).tolist())
         hf = hf.to(torch.bfloat16)
         for s in seqs:
-            hf_top.append(hf(torch.tensor([s], device=DEVICE)).logits[0, :-1].argmax(-1).tolist())
+            hf_top.append(hf(torch.tensor([s], device=TARGET.device)).logits[0, :-1].argmax(-1).tolist())
     del hf
     release()
-    eng = Engine(model=str(folder), device=DEVICE, dtype="bfloat16", max_total_tokens=16384)
+    eng = Engine(model=str(folder), device=TARGET.device, dtype="bfloat16", max_total_tokens=16384)
     try:
         ours = []
         for s in seqs:
@@ -287,89 +233,6 @@ def check_hf(root: Path, tokenizer: Path) -> None:
     verdict(agree / total >= 0.95, "bf16 top-1 agreement with HF >= 95%")
 
 
-# --- 3-6: the 8B-shaped model ------------------------------------------------------------------------------------
-def sync() -> None:
-    import torch
-
-    if not DRY:
-        torch.cuda.synchronize()
-
-
-def release() -> None:
-    """Give the allocator's cached blocks back, so that the next engine sizes its pool from free memory."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if not DRY:
-        torch.cuda.empty_cache()
-
-
-def measure_rates() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s, read + write, of a 4 GiB copy; bfloat16 matmul FLOP/s at 8192^3), medians."""
-    import torch
-
-    x = torch.empty((64 << 20) if DRY else (4 << 30), dtype=torch.uint8, device=DEVICE)
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(12):
-        sync()
-        t = time.perf_counter()
-        y.copy_(x)
-        sync()
-        times.append(time.perf_counter() - t)
-    bw = 2 * x.numel() / median(times[2:])
-    del x, y
-    n = 1024 if DRY else 8192
-    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    times = []
-    for _ in range(20):
-        sync()
-        t = time.perf_counter()
-        a @ b
-        sync()
-        times.append(time.perf_counter() - t)
-    rate = 2 * n**3 / median(times[3:])
-    del a, b
-    release()
-    return bw, rate
-
-
-class Timed:
-    """Runs requests on the engine and records when each one's first token and end arrived."""
-
-    def __init__(self, eng) -> None:  # noqa: ANN001
-        self.eng = eng
-
-    def run(self, prompts: list[list[int]], params, abort_after: dict[int, float] | None = None) -> list[dict]:  # noqa: ANN001
-        results = [dict(first=None, end=None, tokens=0, cached=0, error=None, times=[]) for _ in prompts]
-        left = threading.Semaphore(0)
-        start = time.perf_counter()
-        rids = []
-        for i, p in enumerate(prompts):
-
-            def sink(out, r=results[i]) -> None:  # noqa: ANN001
-                now = time.perf_counter() - start
-                if out.token_ids and r["first"] is None:
-                    r["first"] = now
-                r["tokens"] += len(out.token_ids)
-                if out.token_ids:
-                    r["times"].append((now, r["tokens"]))
-                if out.finished:
-                    r["end"], r["cached"], r["error"] = now, out.cached_tokens, out.error
-                    left.release()
-
-            rids.append(self.eng.submit(p, params, sink))
-        for i, delay in (abort_after or {}).items():
-            threading.Timer(delay, self.eng.abort, (rids[i],)).start()
-        for _ in prompts:
-            if not left.acquire(timeout=600):
-                raise TimeoutError("requests did not finish in 600 s")
-        return results
-
-
 @section("Decode of the 8B-shaped model at batch 1, 64, 256 with 1K-token contexts, against the HBM roofline")
 def check_decode(eng, bw: float) -> None:  # noqa: ANN001
     from radixserve.runtime.kv_pool import KVPool
@@ -381,11 +244,11 @@ def check_decode(eng, bw: float) -> None:  # noqa: ANN001
     per_token = KVPool.bytes_per_token(args.num_layers, args.num_kv_heads, args.head_dim, eng.dtype)
     rng = random.Random(1)
     shares = {}
-    ctx = 64 if DRY else 1024
+    ctx = 64 if TARGET.dry else 1024
     # Enough new tokens that the first requests admitted still decode when the last one starts: the window from
     # the last first token to the first finish has every row decoding, in pure decode steps.
     for batch, new in ((1, 128), (64, 96), (256, 128)):
-        if DRY:
+        if TARGET.dry:
             batch, new = batch // 16 or 1, 16
         prompts = [[rng.randrange(3, 49152) for _ in range(ctx)] for _ in range(batch)]
         res = Timed(eng).run(prompts, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True))
@@ -419,7 +282,7 @@ def check_prefill(eng, mm: float) -> None:  # noqa: ANN001
     linear = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and p.dim() == 2)
     attn_per_pair = 4 * args.num_heads * args.head_dim * args.num_layers
     rng = random.Random(2)
-    for n_prompts, length in ((2, 64), (2, 128)) if DRY else ((8, 2048), (4, 4096)):
+    for n_prompts, length in ((2, 64), (2, 128)) if TARGET.dry else ((8, 2048), (4, 4096)):
         prompts = [[rng.randrange(3, 49152) for _ in range(length)] for _ in range(n_prompts)]
         res = Timed(eng).run(prompts, SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True))
         wall = max(r["end"] for r in res)
@@ -439,7 +302,7 @@ def check_ttft(eng) -> None:  # noqa: ANN001
     rng = random.Random(3)
     colds, warms = [], []
     for _ in range(3):
-        prompt = [rng.randrange(3, 49152) for _ in range(256 if DRY else 4096)]
+        prompt = [rng.randrange(3, 49152) for _ in range(256 if TARGET.dry else 4096)]
         params = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
         cold = Timed(eng).run([prompt], params)[0]
         warm = Timed(eng).run([prompt], params)[0]
@@ -452,166 +315,22 @@ def check_ttft(eng) -> None:  # noqa: ANN001
     verdict(ratio <= 0.10, "a cached 4K prefix brings TTFT to <= 10% of cold")
 
 
-@section("Profile: where a decode step's time goes (8B shape, 1K contexts)")
-def check_profile(eng, bw: float) -> None:  # noqa: ANN001
-    """The graph replay alone, the decode kernel alone in a few tile configurations, the kernels of an eager
-    step by GPU time, and an engine step split into the runner's part and the rest (Python)."""
-    import torch
-
-    from radixserve.runtime.attention.triton_decode import decode_attention, num_splits
-    from radixserve.runtime.engine_core import EngineCore
-    from radixserve.runtime.model_runner import ModelRunner
-    from radixserve.runtime.sampling_params import SamplingParams
-
-    eng.call(lambda core: core.cache.flush())
-    ctx = 1024
-
-    def replay(core, batch: int) -> float:  # noqa: ANN001
-        g = core.runner.graphs
-        pool = core.runner.pool
-        t = g.table
-        rows = torch.arange(batch, device="cuda")
-        t.table[:batch, :ctx] = torch.randperm(batch * ctx, device="cuda").view(batch, ctx).to(torch.int32)
-        bs = next(x for x in g.buckets if x >= batch)
-        host, h = g._next_host()
-        g._pad(h, 0, bs)
-        h[1, :batch] = ctx - 1
-        h[2, :batch] = pool.scratch_slot
-        h[3, :batch] = rows.tolist()
-        h[4, :batch] = ctx
-        g.io[:, :bs].copy_(host[:, :bs])
-        graph, _ = g._graphs[bs]
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        # The rows' table entries go back to nobody's: later requests rewrite them (each table row is synced anew).
-        t._entries.clear()
-        t._free = list(range(t.pad_row - 1, -1, -1))
-        return (time.perf_counter() - start) / 20
-
-    args = eng.call(lambda core: core.runner.model.args)
-    weights = eng.call(lambda core: sum(p.numel() * p.element_size() for p in core.runner.model.parameters()))
-    for batch in (1, 64, 256):
-        dt = eng.call(lambda core, b=batch: replay(core, b))
-        moved = weights + batch * ctx * 131072
-        print(f"  graph replay alone, batch {batch:3d}: {dt * 1e3:6.2f} ms = {moved / dt / bw:.0%} of the roofline")
-
-    # The decode kernel alone over one layer's pool.
-    def kernel(core) -> None:  # noqa: ANN001
-        pool = core.runner.pool
-        kv = pool.kv[0]
-        for batch in (64, 256):
-            table = torch.randperm(batch * ctx, device="cuda").view(batch, ctx).to(torch.int32)
-            q = torch.randn(batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-            rows = torch.arange(batch, device="cuda")
-            lens = torch.full((batch,), ctx, device="cuda")
-            kv_bytes = batch * ctx * args.num_kv_heads * args.head_dim * 2 * 2
-            default = num_splits(batch, args.num_kv_heads, q.device)
-            best = None
-            for block_n in (32, 64, 128):
-                for warps in (4,):
-                    for stages in (3,):
-                        for splits in (1, 2, 4):
-                            run = lambda: decode_attention(q, kv, table, rows, lens, splits, 0.088,  # noqa: E731, B023
-                                                           block_n=block_n, num_warps=warps, num_stages=stages)  # noqa: B023
-                            try:
-                                run()
-                            except Exception as exc:  # noqa: BLE001 - a configuration that does not fit
-                                print(f"    {block_n}/{warps}/{stages}/{splits}: {type(exc).__name__}")
-                                continue
-                            torch.cuda.synchronize()
-                            start = time.perf_counter()
-                            for _ in range(20):
-                                run()
-                            torch.cuda.synchronize()
-                            dt = (time.perf_counter() - start) / 20
-                            if best is None or dt < best[0]:
-                                best = (dt, block_n, warps, stages, splits)
-                            if (block_n, splits) == (128 if batch <= 64 else 64, default):
-                                print(f"    batch {batch}, default tiles and splits ({splits}): {dt * 1e6:.0f} us = "
-                                      f"{kv_bytes / dt / bw:.0%} of the copy bandwidth")  # fmt: skip
-            dt, *cfg = best
-            print(f"  decode kernel, batch {batch}: best {dt * 1e6:.0f} us (BLOCK_N/warps/stages/splits {cfg}) = "
-                  f"{kv_bytes / dt / bw:.0%} of the copy bandwidth")  # fmt: skip
-
-    eng.call(kernel, timeout=300)
-
-    # An eager decode step of 64 rows under the profiler: GPU time by kernel.
-    def eager(core) -> str:  # noqa: ANN001
-        from radixserve.runtime.attention.base import AttentionMetadata, ForwardContext
-        from radixserve.runtime.cuda_graph import GraphDecodeBackend
-
-        g, batch = core.runner.graphs, 64
-        io = g.io
-        meta = AttentionMetadata(out_slots=io[2, :batch], num_decode=batch, decode_slots=None, decode_mask=None,
-                                 extends=())  # fmt: skip
-        backend = GraphDecodeBackend(g.table, io[3, :batch], io[4, :batch], num_splits(batch, 8, io.device))
-        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                core.runner.model(io[0, :batch], io[1, :batch], ForwardContext(meta, core.runner.pool, backend))
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        try:
-            return events.table(sort_by="self_device_time_total", row_limit=14)
-        except Exception:  # noqa: BLE001 - older torch names the column after CUDA
-            return events.table(sort_by="self_cuda_time_total", row_limit=14)
-
-    print(eng.call(eager, timeout=120))
-
-    # An engine step, split: the runner's part (launch, sync, sample) and the rest (schedule, apply, outputs).
-    timing = {"step": 0.0, "run": 0.0, "graph": 0.0, "n": 0}
-    orig_step, orig_run = EngineCore.step, ModelRunner._run
-
-    def step(self):  # noqa: ANN001, ANN202
-        t = time.perf_counter()
-        out = orig_step(self)
-        timing["step"] += time.perf_counter() - t
-        timing["n"] += 1
-        return out
-
-    def run(self, plan):  # noqa: ANN001, ANN202
-        t = time.perf_counter()
-        out = orig_run(self, plan)
-        timing["run"] += time.perf_counter() - t
-        return out
-
-    rng = random.Random(5)
-    for batch in (1, 64):
-        prompts = [[rng.randrange(3, 49152) for _ in range(ctx)] for _ in range(batch)]
-        Timed(eng).run(prompts, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))  # admit/compile
-        EngineCore.step, ModelRunner._run = step, run
-        timing.update(step=0.0, run=0.0, n=0)
-        try:
-            Timed(eng).run([p + [7] for p in prompts], SamplingParams(max_new_tokens=64, temperature=0,
-                                                                     ignore_eos=True))  # fmt: skip
-        finally:
-            EngineCore.step, ModelRunner._run = orig_step, orig_run
-        n = timing["n"]
-        print(f"  engine, batch {batch}: {timing['step'] / n * 1e3:.2f} ms/step over {n} steps, of which the runner "
-              f"{timing['run'] / n * 1e3:.2f} ms, the rest {(timing['step'] - timing['run']) / n * 1e3:.2f} ms")
-        eng.call(lambda core: core.cache.flush())
-
-
 @section("Soak with aborts, then the KV accounting")
 def check_soak(eng, seconds: float) -> None:  # noqa: ANN001
     from radixserve.runtime.sampling_params import SamplingParams
 
     rng = random.Random(4)
-    sizes = (16, 64) if DRY else (256, 1024, 2048)
+    sizes = (16, 64) if TARGET.dry else (256, 1024, 2048)
     shared = [[rng.randrange(3, 49152) for _ in range(rng.choice(sizes))] for _ in range(6)]
     deadline = time.perf_counter() + seconds
     done = errors = aborted = waves = 0
     while time.perf_counter() < deadline:
         prompts = []
-        for _ in range(8 if DRY else 48):
+        for _ in range(8 if TARGET.dry else 48):
             head = rng.choice(shared) if rng.random() < 0.7 else []
-            prompts.append(head + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 32 if DRY else 512))])
+            prompts.append(head + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 32 if TARGET.dry else 512))])
         aborts = {i: rng.uniform(0.0, 1.5) for i in range(len(prompts)) if rng.random() < 0.25}
-        new = rng.randint(1, 8 if DRY else 96)
+        new = rng.randint(1, 8 if TARGET.dry else 96)
         temp = 0.8 if waves % 2 else 0.0  # sampled waves and greedy ones (which overlap their steps)
         res = Timed(eng).run(prompts, SamplingParams(max_new_tokens=new, temperature=temp, ignore_eos=True), aborts)
         waves += 1
@@ -638,9 +357,8 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SECTIONS))
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU: checks the script, measures nothing")
     opts = ap.parse_args()
-    global DEVICE, DRY
     if opts.dry_run:
-        DEVICE, DRY = "cpu", True
+        TARGET.device, TARGET.dry = "cpu", True
         opts.soak_s = min(opts.soak_s, 10.0)
     only = set(opts.only.split(","))
     start = time.perf_counter()
@@ -652,13 +370,13 @@ def main() -> None:
     import triton
 
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
-    if DRY:
+    if TARGET.dry:
         print(f"dry run on the CPU; torch {torch.__version__}, triton {triton.__version__}", flush=True)
     else:
         props = torch.cuda.get_device_properties(0)
         print(f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; torch "
               f"{torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}", flush=True)  # fmt: skip
-    if "kernels" in only and not DRY:
+    if "kernels" in only and not TARGET.dry:
         check_kernels()
     if "hf" in only:
         check_hf(scratch, opts.tokenizer)
@@ -668,11 +386,12 @@ def main() -> None:
         release()
         bw, mm = measure_rates()
         print(f"\nmeasured: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul {mm / 1e12:.0f} TFLOP/s", flush=True)
-        folder = model_folder(scratch, "llama-8b-shape", DRY_SHAPE if DRY else LLAMA_8B, opts.tokenizer)
+        folder = model_folder(scratch, "llama-8b-shape", DRY_SHAPE if TARGET.dry else LLAMA_8B, opts.tokenizer)
         t = time.perf_counter()
-        eng = Engine(model=str(folder), device=DEVICE, dtype="float32" if DRY else "bfloat16", load_format="dummy",
+        dtype = "float32" if TARGET.dry else "bfloat16"
+        eng = Engine(model=str(folder), device=TARGET.device, dtype=dtype, load_format="dummy",
                      max_running_requests=256, chunked_prefill_size=8192,
-                     max_total_tokens=60000 if DRY else 0)  # fmt: skip
+                     max_total_tokens=60000 if TARGET.dry else 0)  # fmt: skip
         print(f"8B-shaped engine up in {time.perf_counter() - t:.1f}s", flush=True)
         try:
             if "decode" in only:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from radixserve.runtime import envs
 from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
 from radixserve.runtime.config import EngineConfig
@@ -25,6 +23,7 @@ from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
 from radixserve.runtime.speculative import Drafter, NgramDrafter, can_speculate
 from radixserve.runtime.stats import EngineStats
+from radixserve.runtime.transfer import tensor_on
 from radixserve.runtime.validation import validate_request
 
 logger = logging.getLogger("radixserve.engine")
@@ -185,10 +184,7 @@ class EngineCore:
                 if plan is not None:
                     tokens = pending.tokens
                     if len(keep) < len(pending.plan.chunks):
-                        index = torch.tensor(keep)
-                        if tokens.is_cuda:  # a pageable copy would wait for the step in flight
-                            index = index.pin_memory().to(tokens.device, non_blocking=True)
-                        tokens = tokens[index]
+                        tokens = tokens[tensor_on(keep, tokens.device)]  # not waiting for the step in flight
                     try:
                         nxt = self.runner.launch(plan, tokens)
                         self.stats.forward_steps += 1

@@ -20,6 +20,7 @@ from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
 from radixserve.runtime.step_layout import StepRow, lay_out
 from radixserve.runtime.threads import StepThreads
+from radixserve.runtime.transfer import tensor_on
 
 if TYPE_CHECKING:
     from radixserve.runtime.cuda_graph import DecodeGraphs
@@ -217,10 +218,7 @@ class ModelRunner:
         else a tensor copied without blocking on the GPU's work (a pageable copy waits for the stream)."""
         if len(rows) == total and rows[-1] == total - 1 and rows == list(range(total)):
             return slice(None)
-        t = torch.tensor(rows, dtype=torch.long)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return tensor_on(rows, self.device, torch.long)
 
     def _verify(
         self,

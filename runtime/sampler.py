@@ -27,24 +27,13 @@ import torch
 
 from radixserve.runtime.request import Req, TokenLogprob
 from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.runtime.transfer import tensor_on, to_device
 
 # Rows per chunk in ``token_logprobs``, sized so a float32 copy of one chunk stays near 256 MiB.
 _LOGPROB_CHUNK_ELEMS = 1 << 26
 # top_k / top_p first look at this many best candidates; rows whose cut lies further down get a full sort.
 TOP_WINDOW = 256
 _NEG_INF = float("-inf")
-
-
-def _vec(data: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``torch.tensor(data, dtype=dtype)`` on ``device``, without a blocking copy on a GPU."""
-    return _host_to(torch.tensor(data, dtype=dtype), device)
-
-
-def _host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; to a GPU through pinned memory without blocking (a pageable copy waits for the stream)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class NoAllowedTokenError(ValueError):
@@ -100,8 +89,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> l
 def _flat_positions(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``row * V + id`` for every id of every row, as one tensor (ids outside the vocabulary are dropped)."""
     lengths = [len(ids) for ids in id_lists]
-    ids = _vec(list(itertools.chain.from_iterable(id_lists)), device, torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), _vec(lengths, device))
+    ids = tensor_on(list(itertools.chain.from_iterable(id_lists)), device, torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), tensor_on(lengths, device))
     valid = (ids >= 0) & (ids < vocab_size)
     return (rows * vocab_size + ids)[valid]
 
@@ -153,15 +142,15 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """
     dev, v = xs.device, xs.shape[-1]
     if any(p.temperature != 1.0 for p in params):
-        temp = _vec([p.temperature for p in params], dev, torch.float32)
+        temp = tensor_on([p.temperature for p in params], dev, torch.float32)
         xs = xs / temp[:, None]
     cut_rows = [j for j, p in enumerate(params) if 0 < p.top_k < v or p.top_p < 1.0]
     if cut_rows:
-        idx = _vec(cut_rows, dev)
+        idx = tensor_on(cut_rows, dev)
         every_row = len(cut_rows) == len(params)
         sub = xs if every_row else xs[idx]
-        k = _vec([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], dev)
-        p = _vec([params[j].top_p for j in cut_rows], dev, torch.float32)
+        k = tensor_on([params[j].top_k if 0 < params[j].top_k < v else v for j in cut_rows], dev)
+        p = tensor_on([params[j].top_p for j in cut_rows], dev, torch.float32)
         lse_row = torch.logsumexp(sub, dim=-1)
         vals = sub.topk(min(TOP_WINDOW, v), dim=-1).values
         threshold, complete = _top_k_top_p_cut(vals, k, p, lse_row, v)
@@ -179,7 +168,7 @@ def _filter(xs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         sub = _mask_disallowed(sub.clone(), ~(sub < threshold[:, None]))
         xs = sub if every_row else xs.index_put((idx,), sub)
     if any(p.min_p > 0.0 for p in params):
-        min_p = _vec([p.min_p for p in params], dev, torch.float32)
+        min_p = tensor_on([p.min_p for p in params], dev, torch.float32)
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log(0) = -inf leaves a row alone.
         threshold = xs.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
         xs = _mask_disallowed(xs.clone(), ~(xs < threshold))
@@ -286,12 +275,12 @@ class Sampler:
                         pos.append(i * v + int(tid))
                         vals.append(float(bias))
             if pos:
-                flat.index_add_(0, _vec(pos, dev), _vec(vals, dev))
+                flat.index_add_(0, tensor_on(pos, dev), tensor_on(vals, dev))
 
         if any(p.repetition_penalty != 1.0 for p in params):
             lists = [r.prompt_ids + r.output_ids if r.params.repetition_penalty != 1.0 else () for r in reqs]
             pos = torch.unique(_flat_positions(lists, v, dev))
-            rep = _vec([p.repetition_penalty for p in params], dev, torch.float32)[pos // v]
+            rep = tensor_on([p.repetition_penalty for p in params], dev, torch.float32)[pos // v]
             seen = flat[pos]
             # HF semantics: a seen token's positive logit is divided by the penalty, a negative one multiplied
             flat[pos] = torch.where(seen > 0, seen / rep, seen * rep)
@@ -303,8 +292,8 @@ class Sampler:
             ]
             pos, counts = torch.unique(_flat_positions(lists, v, dev), return_counts=True)
             row = pos // v
-            freq = _vec([p.frequency_penalty for p in params], dev, torch.float32)[row]
-            pres = _vec([p.presence_penalty for p in params], dev, torch.float32)[row]
+            freq = tensor_on([p.frequency_penalty for p in params], dev, torch.float32)[row]
+            pres = tensor_on([p.presence_penalty for p in params], dev, torch.float32)[row]
             flat.index_add_(0, pos, -(freq * counts + pres))
 
     def _apply_min_new_tokens(self, x: torch.Tensor, reqs: Sequence[Req], masked: bool) -> None:
@@ -325,7 +314,7 @@ class Sampler:
             cols.extend(sorted(ids))
         if not rows:
             return
-        r_t, c_t = _vec(rows, x.device), _vec(cols, x.device)
+        r_t, c_t = tensor_on(rows, x.device), tensor_on(cols, x.device)
         saved = x[r_t, c_t]
         x[r_t, c_t] = _NEG_INF
         if masked:
@@ -395,13 +384,13 @@ class Sampler:
         tokens = x.argmax(dim=-1) if any(greedy) else torch.zeros(b, dtype=torch.long, device=x.device)
         sampled = [i for i in range(b) if not greedy[i]]
         if sampled:
-            idx = _vec(sampled, x.device)
+            idx = tensor_on(sampled, x.device)
             xs = _filter(x if len(sampled) == b else x[idx], [params[i] for i in sampled])
             # A nan or +inf row has no distribution: its draw means nothing. The check is read with the tokens (one
             # transfer); such a row raises and its draw is not counted, so the retry row by row draws the same.
             broken = ~torch.isfinite(xs.amax(dim=-1))
             stream = [(self._seed(reqs[i]), reqs[i].rng_draws) for i in sampled]
-            counters = _host_to(torch.tensor([[_signed(s) for s, _ in stream], [k for _, k in stream]]), x.device)
+            counters = to_device(torch.tensor([[_signed(s) for s, _ in stream], [k for _, k in stream]]), x.device)
             drawn = _draw(xs, counter_uniforms(counters[0], counters[1]))
             tokens[idx] = drawn.clamp_(max=v - 1)  # a broken row's search may land past the vocabulary
         else:
@@ -412,7 +401,7 @@ class Sampler:
         if lp_rows:
             if broken is not None and bool(broken.any()):
                 raise NonFiniteLogitsError([reqs[sampled[j]].rid for j in broken.nonzero().flatten().tolist()])
-            idx = _vec(lp_rows, x.device)
+            idx = tensor_on(lp_rows, x.device)
             top_n = max(params[i].top_logprobs_num for i in lp_rows)
             for i, entry in zip(lp_rows, token_logprobs(x[idx], tokens[idx], top_n), strict=True):
                 entry.top = entry.top[: params[i].top_logprobs_num]
