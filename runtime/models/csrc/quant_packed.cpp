@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -402,6 +404,33 @@ torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
   return out;
 }
 
+// fn(t) for every t in [0, tiles) on the intra-op threads. Each thread has a contiguous share of the tiles (its
+// weights stream from memory in order) and, once done with it, takes the tiles left in the others' shares one at a
+// time. On a machine whose cores also run the HTTP front end, the clients or another VM's work, a thread the OS
+// preempts for a few ms would otherwise hold up the whole product while the others wait for it at the end (a
+// static split). Every tile runs once, on one thread, so results do not depend on who took what.
+template <typename F>
+void for_tiles(int64_t tiles, const F& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  struct alignas(64) Share {  // a cache line each: the threads' counters do not share one
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Share[]> shares(new Share[threads]);
+  for (int64_t t = 0; t < threads; ++t) {
+    shares[t].next.store(t * tiles / threads, std::memory_order_relaxed);
+    shares[t].end = (t + 1) * tiles / threads;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t me0, int64_t me1) {
+    for (int64_t me = me0; me < me1; ++me) {
+      for (int64_t k = 0; k < threads; ++k) {
+        Share& share = shares[(me + k) % threads];
+        for (int64_t t; (t = share.next.fetch_add(1, std::memory_order_relaxed)) < share.end;) fn(t);
+      }
+    }
+  });
+}
+
 #ifdef RS_PACKED
 template <typename T>
 void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t type, int64_t N, T* yp) {
@@ -410,30 +439,30 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
   quantize_rows(xp, M, K, a);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t stride = w.size(1);
-  // Channel groups are independent: threads take contiguous ranges of them. Within a range, tiles of groups x
-  // rows: a tile's weights and its rows' activations stay in L2 while each is reused (a prefill chunk's x does not
-  // fit: without tiles every group streamed all of it from L3 again, and 1,024 rows ran at 0.7x the rate of 64).
+  // Channel groups are independent: the work is tiles of groups x rows, so that a tile's weights and its rows'
+  // activations stay in L2 while each is reused (a prefill chunk's x does not fit: without tiles every group
+  // streamed all of it from L3 again, and 1,024 rows ran at 0.7x the rate of 64).
   const int64_t tile_groups = std::max<int64_t>(1, tile_bytes() / stride);
   const int64_t tile_rows = std::max<int64_t>(1, tile_bytes() / K / MAX_MR) * MAX_MR;
-  at::parallel_for(0, w.size(0), 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t gt = g0; gt < g1; gt += tile_groups) {
-      for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
-        const int64_t m1 = std::min(M, m0 + tile_rows);
-        for (int64_t g = gt; g < std::min(g1, gt + tile_groups); ++g) {
-          if (type == Q6_K) {
-            group_all<Q6_K>(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
-            continue;
-          }
-          if (type == Q4_K) {
-            group_all<Q4_K>(a, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
-            continue;
-          }
-          const uint8_t* group = wp + g * stride;
-          switch (type) {
-            case Q8_0: group_all<Q8_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
-            case Q4_0: group_all<Q4_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
-            default: group_all<Q4_1>(a, m0, m1, K, RowT<1>(group, type, nb), N, g, yp); break;
-          }
+  const int64_t groups = w.size(0);
+  for_tiles((groups + tile_groups - 1) / tile_groups, [&](int64_t t) {
+    const int64_t gt = t * tile_groups, g1 = std::min(groups, gt + tile_groups);
+    for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+      const int64_t m1 = std::min(M, m0 + tile_rows);
+      for (int64_t g = gt; g < g1; ++g) {
+        if (type == Q6_K) {
+          group_all<Q6_K>(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
+          continue;
+        }
+        if (type == Q4_K) {
+          group_all<Q4_K>(a, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
+          continue;
+        }
+        const uint8_t* group = wp + g * stride;
+        switch (type) {
+          case Q8_0: group_all<Q8_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+          case Q4_0: group_all<Q4_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+          default: group_all<Q4_1>(a, m0, m1, K, RowT<1>(group, type, nb), N, g, yp); break;
         }
       }
     }
