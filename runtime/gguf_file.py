@@ -67,6 +67,11 @@ class GGUFFile:
         self.path = Path(path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # Ask the kernel to read the whole file ahead now: the loader copies and repacks one tensor at a time, and
+        # without this each tensor's pages were read only when first touched, so the disk waited on the repacking
+        # and the repacking on the disk.
+        with contextlib.suppress(AttributeError, OSError):  # madvise: Python 3.8+ on Unix
+            self._map.madvise(mmap.MADV_WILLNEED)
         buf = self._map
         if buf[:4] != b"GGUF":
             raise ValueError(f"{self.path} is not a GGUF file (it does not start with b'GGUF')")

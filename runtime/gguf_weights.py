@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def iter_gguf_weights(
             if qtype in _FLOAT_TYPES:
                 value: torch.Tensor | QuantTensor = _float_tensor(raw, qtype).reshape(shape)
             elif len(shape) == 2 and keep_quantized and _served_as_is(qtype, shape[1]):
-                value = QuantTensor(qtype, torch.from_numpy(raw.copy()), shape)  # type: ignore[arg-type]
+                value = QuantTensor(qtype, _view(raw), shape, mapped=True)  # type: ignore[arg-type]
             elif len(shape) == 2 and keep_quantized and qtype == "Q4_K":
                 value = QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), shape)  # type: ignore[arg-type]
                 reblocked += 1
@@ -113,7 +114,17 @@ def iter_gguf_weights(
         logger.info("re-blocked %d Q4_K tensors as Q4_1 (the same quants, docs/quantization.md)", reblocked)
     if requantized:
         logger.info("re-quantized %d GGUF tensors of other block types to Q8_0 (docs/quantization.md)", requantized)
-    reader.close()  # drops the memory map: only the copies stay resident
+    # Drops the memory map once no view of it is left: the loader packs or copies each weight as it comes
+    # (QuantTensor.owned), so only a caller that still holds a yielded weight keeps it mapped.
+    reader.close()
+
+
+def _view(raw: np.ndarray) -> torch.Tensor:
+    """A tensor over the map's bytes, not a copy: the packed kernel repacks them into a buffer of its own (reading
+    the file once), and a weight kept as it is copies them then (``QuantTensor.owned``)."""
+    with warnings.catch_warnings():  # the map is read-only; nothing writes through this view
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
 
 
 def _served_as_is(qtype: str, k: int) -> bool:

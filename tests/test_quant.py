@@ -188,6 +188,49 @@ def test_a_merged_projection_of_mixed_block_types_keeps_each_part_in_its_own() -
     assert torch.equal(layer.quant.dequantize(), dense)
 
 
+@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
+def test_a_merged_projection_of_one_block_type_is_packed_part_by_part(qtype: str) -> None:
+    """gate/up (or q/k) of one block type are packed straight from the file's bytes, each part into its own channel
+    groups: the same bytes as packing their concatenation. A part other than the last whose rows are not a
+    multiple of 16 would share a group with the next: those are concatenated first, as before."""
+    from radixserve.runtime.models.loading import _assemble
+
+    if quant.packed_ops() is None:
+        pytest.skip("no packed kernel on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    k = quant.weight_block(qtype) * 2
+    gate, up = quant._random_blocks(qtype, 48, k, gen), quant._random_blocks(qtype, 37, k, gen)
+    whole = QuantTensor(qtype, torch.cat([gate.data, up.data]), (85, k))
+    merged = _assemble([gate, up], pack=True)
+    assert isinstance(merged, QuantTensor) and merged.packed and merged.shape == (85, k)
+    assert torch.equal(merged.data, whole.pack().data)
+    assert torch.equal(merged.dequantize(), reference_dequantize(whole))
+    odd = quant._random_blocks(qtype, 40, k, gen)
+    apart = _assemble([odd, up], pack=True)
+    assert isinstance(apart, QuantTensor) and not apart.packed and apart.shape == (77, k)
+    assert not _assemble([gate, up]).packed  # without pack (a weight bound for another device): the rows
+
+
+def test_a_weight_viewing_the_file_map_is_copied_by_whoever_keeps_it_as_it_is() -> None:
+    """The GGUF loader hands out views of the file's map (``mapped``): a linear layer's packing copies them, an
+    embedding (which keeps its blocks as given) copies them itself, so no layer holds the map after loading."""
+    from radixserve.runtime.models.linear import Embedding, Linear
+
+    gen = torch.Generator().manual_seed(12)
+    blocks = quant._random_blocks("Q8_0", 48, 64, gen)
+    mapped = QuantTensor("Q8_0", blocks.data, blocks.shape, mapped=True)
+    assert mapped.rows(slice(0, 16)).mapped and not mapped.rows(torch.arange(16)).mapped
+    embedding = Embedding(48, 64)
+    embedding.set_quantized(mapped)
+    layer = Linear(64, 48, bias=False)
+    layer.set_quantized(mapped)
+    for module in (embedding, layer):
+        assert module.qdata.untyped_storage().data_ptr() != blocks.data.untyped_storage().data_ptr()
+        assert not module.quant.mapped
+    assert torch.equal(embedding.quant.dequantize(), reference_dequantize(blocks))
+    assert torch.equal(layer.quant.dequantize(), reference_dequantize(blocks))
+
+
 def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni_or_avx2() -> None:
     assert (quant.packed_ops() is not None) == _has_packed_kernel()
     w = quantize_q4_1(torch.randn(32, 64))

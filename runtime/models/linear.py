@@ -162,8 +162,10 @@ class _Quantizable:
         weight keeps each part's data as a buffer of its own (``qdata``, ``qdata1``, ...)."""
         if self._pack_blocks:
             w = w.pack()
-        self.register_parameter("weight", None)  # type: ignore[attr-defined]
         parts = w.parts if isinstance(w, QuantParts) else (w,)
+        parts = tuple(p.owned() for p in parts)  # what is kept as it came must not hold the file's map
+        w = QuantParts(parts) if isinstance(w, QuantParts) else parts[0]
+        self.register_parameter("weight", None)  # type: ignore[attr-defined]
         for i, part in enumerate(parts):
             self.register_buffer(f"qdata{i or ''}", part.data, persistent=False)  # type: ignore[attr-defined]
         self._qparts = tuple((p.qtype, p.shape, p.packed) for p in parts) if len(parts) > 1 else ()

@@ -64,7 +64,8 @@ def load_weights(
         parts[name.rpartition(".")[0].rpartition(".")[2]] = tensor
         if len(parts) == len(module.parts):
             apart = leaf == "weight" and hasattr(module, "set_plain_parts")
-            whole = _assemble([parts[p] for p in module.parts], keep_apart=apart)
+            on_cpu = _target(params[target], device) in (None, torch.device("cpu"))
+            whole = _assemble([parts[p] for p in module.parts], keep_apart=apart, pack=apart and on_cpu)
             _put(module, leaf, whole, params[target], target, device)
             del pending[target], parts
             if on_weight is not None and leaf == "weight":
@@ -223,8 +224,10 @@ def _adjacent(parts: list[Loaded]) -> torch.Tensor | None:
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())  # type: ignore[union-attr]
 
 
-def _runs_of_one_type(parts: list[QuantTensor]) -> list[QuantTensor]:
-    """Consecutive parts of one block type joined (their rows concatenated)."""
+def _runs_of_one_type(parts: list[QuantTensor], *, pack: bool = False) -> list[QuantTensor]:
+    """Consecutive parts of one block type joined (their rows concatenated). With ``pack`` (a linear weight that
+    stays on the CPU) a run of several parts is packed for the kernel right away, each part into its own groups
+    (``QuantTensor.pack_rows``): the parts, views of the file's map, are then read once, not concatenated first."""
     runs: list[list[QuantTensor]] = []
     for p in parts:
         if runs and runs[-1][0].qtype == p.qtype:
@@ -233,7 +236,14 @@ def _runs_of_one_type(parts: list[QuantTensor]) -> list[QuantTensor]:
             runs.append([p])
     out = []
     for run in runs:
-        data = run[0].data if len(run) == 1 else torch.cat([p.data for p in run], dim=0)
+        if len(run) == 1:
+            out.append(run[0])
+            continue
+        packed = QuantTensor.pack_rows(run) if pack else None
+        if packed is not None:
+            out.append(packed)
+            continue
+        data = torch.cat([p.data for p in run], dim=0)
         out.append(QuantTensor(run[0].qtype, data, (data.shape[0], run[0].shape[1])))
     return out
 
@@ -255,16 +265,16 @@ def _all_mapped(parts: list[Loaded]) -> bool:
     return all(is_mapped(p) and p.dtype == parts[0].dtype for p in parts)  # type: ignore[union-attr]
 
 
-def _assemble(parts: list[Loaded], *, keep_apart: bool = False) -> Loaded:
+def _assemble(parts: list[Loaded], *, keep_apart: bool = False, pack: bool = False) -> Loaded:
     """The merged weight from its parts, in output order; ``PlainParts`` where ``keep_apart`` and they are
-    mapped views apart from one another."""
+    mapped views apart from one another; block-quantized parts packed for the CPU kernel where ``pack``."""
     whole = _adjacent(parts)
     if whole is not None:
         return whole
     if keep_apart and len(parts) > 1 and _all_mapped(parts):
         return PlainParts(parts)
     if all(isinstance(p, QuantTensor) for p in parts):
-        runs = _runs_of_one_type(parts)  # type: ignore[arg-type]
+        runs = _runs_of_one_type(parts, pack=pack)  # type: ignore[arg-type]
         if len(runs) == 1:
             return runs[0]
         if packed_ops() is not None:  # each run keeps its type and kernel (QuantParts)
@@ -273,10 +283,16 @@ def _assemble(parts: list[Loaded], *, keep_apart: bool = False) -> Loaded:
     return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p for p in parts], dim=0)
 
 
+def _target(param: torch.Tensor, device: Any) -> torch.device | None:
+    """Where a parameter's weight goes: ``device``, else where the parameter is (``None``: built on the meta
+    device, the weight stays where it was read, on the CPU)."""
+    return torch.device(device) if device is not None else (param.device if param.device.type != "meta" else None)
+
+
 def _put(module: nn.Module, leaf: str, tensor: Loaded, param: torch.Tensor, name: str, device: Any) -> None:
     if tuple(tensor.shape) != tuple(param.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-    target = torch.device(device) if device is not None else (param.device if param.device.type != "meta" else None)
+    target = _target(param, device)
     if isinstance(tensor, PlainParts):
         if tensor[0].dtype == param.dtype and (target is None or target.type == "cpu"):
             module.set_plain_parts(list(tensor))  # type: ignore[operator]
@@ -289,7 +305,8 @@ def _put(module: nn.Module, leaf: str, tensor: Loaded, param: torch.Tensor, name
             module.set_quantized(tensor)
             return
         data = tensor.data.to(target) if target is not None else tensor.data
-        module.set_quantized(QuantTensor(tensor.qtype, data, tensor.shape))
+        mapped = tensor.mapped and data is tensor.data  # a copy to another device no longer holds the map
+        module.set_quantized(QuantTensor(tensor.qtype, data, tensor.shape, tensor.packed, mapped))
         return
     value = tensor.to(dtype=param.dtype, device=target or "cpu")
     setattr(module, leaf, nn.Parameter(value, requires_grad=False))

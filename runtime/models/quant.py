@@ -66,6 +66,9 @@ class QuantTensor:
     data: torch.Tensor
     shape: tuple[int, int]
     packed: bool = False
+    # ``data`` is a read-only view of a checkpoint file's map (the GGUF loader's): a weight kept as it is must be
+    # copied out (``owned``) so that the map can go once loading is done; packing copies it anyway.
+    mapped: bool = False
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -85,8 +88,15 @@ class QuantTensor:
     def rows(self, index: slice | torch.Tensor) -> QuantTensor:
         if self.packed:
             raise ValueError("a packed weight's rows are interleaved; slice it before packing")
-        data = self.data[index]
-        return QuantTensor(self.qtype, data, (data.shape[0], self.shape[1]))
+        data = self.data[index]  # a slice is a view (still of the map, where mapped); an index tensor copies
+        view = self.mapped and isinstance(index, slice)
+        return QuantTensor(self.qtype, data, (data.shape[0], self.shape[1]), mapped=view)
+
+    def owned(self) -> QuantTensor:
+        """This weight with its own copy of the data where it is a view of a file's map; else itself."""
+        if not self.mapped:
+            return self
+        return QuantTensor(self.qtype, self.data.clone(), self.shape, self.packed)
 
     def pack(self) -> QuantTensor:
         """This weight in 16-channel groups where this CPU runs the packed kernel; else itself."""
@@ -95,6 +105,20 @@ class QuantTensor:
             return self
         data = op.pack(self.data.contiguous(), QTYPES[self.qtype], self.shape[1])
         return QuantTensor(self.qtype, data, self.shape, packed=True)
+
+    @staticmethod
+    def pack_rows(parts: list[QuantTensor]) -> QuantTensor | None:
+        """The parts' rows one after another (one block type, a merged projection), packed at once without
+        concatenating their blocks first; ``None`` where the packed kernel does not run here or a part other than
+        the last has a number of rows that is not a multiple of 16 (its last group would be shared)."""
+        op = packed_ops()
+        first = parts[0]
+        if op is None or any(p.packed or p.data.device.type != "cpu" or p.qtype != first.qtype for p in parts):
+            return None
+        if any(p.shape[0] % GROUP for p in parts[:-1]):
+            return None
+        data = op.pack_parts([p.data.contiguous() for p in parts], QTYPES[first.qtype], first.shape[1])
+        return QuantTensor(first.qtype, data, (sum(p.shape[0] for p in parts), first.shape[1]), packed=True)
 
     def dequantize(self) -> torch.Tensor:
         if self.packed:

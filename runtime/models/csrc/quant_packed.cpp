@@ -347,40 +347,50 @@ void split_groups(int64_t n, F fn) {
   for (auto& t : threads) t.join();
 }
 
-// ggml rows of 256-weight super-blocks [N, K / 256 * in_bytes] -> groups of out_bytes per super-block and
-// channel: fill(group row, channel c, super-block s, its ggml bytes) writes one channel's super-block.
+// ggml rows of 256-weight super-blocks [N, K / 256 * in_bytes] -> groups [g0, g0 + ceil(N / 16)) of `out` (out_bytes
+// per super-block and channel): fill(group row, channel c, super-block s, its ggml bytes) writes one channel's
+// super-block.
 template <typename F>
-torch::Tensor pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out_bytes, F fill) {
+void pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out_bytes, F fill, torch::Tensor& out,
+                int64_t g0) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
   TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * in_bytes, "quant_packed: K and K-quant block bytes disagree");
-  auto out = packed_groups(groups, ns * G * out_bytes, N);
+  TORCH_CHECK(out.size(1) == ns * G * out_bytes, "quant_packed: the output's rows do not fit this type and K");
   const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  split_groups(groups, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+  uint8_t* dst = out.data_ptr<uint8_t>() + g0 * out.size(1);
+  split_groups(groups, [&](int64_t ga, int64_t gb) {
+    for (int64_t g = ga; g < gb; ++g)
       for (int c = 0; c < G && g * G + c < N; ++c)
         for (int64_t s = 0; s < ns; ++s) fill(dst + g * out.size(1), c, s, src + ((g * G + c) * ns + s) * in_bytes);
   });
-  return out;
 }
 
-// Row-major blocks [N, K / 32 * bs] -> groups [ceil(N / 16), K / 32 * 16 * bs].
-torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
-  if (type == Q6_K || type == Q4_K) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: K-quant blocks");
-    return type == Q6_K ? pack_super(w, K, Q6_K_BYTES, Q6_K_BYTES, fill_q6)
-                        : pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_q4k);
-  }
+// Bytes of one packed group row of K inputs.
+int64_t packed_row_bytes(int64_t type, int64_t K) {
+  if (type == Q6_K) return K / 256 * G * Q6_K_BYTES;
+  if (type == Q4_K) return K / 256 * G * Q4_K_PACKED;
+  return K / QK * G * block_bytes(type);
+}
+
+void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "quant_packed: weight blocks");
+  TORCH_CHECK(K % weight_block(type) == 0, "quant_packed: K is not a multiple of the type's block");
+}
+
+// Row-major blocks [N, K / 32 * bs] (or K-quant super-blocks) -> groups [g0, g0 + ceil(N / 16)) of `out`.
+void pack_into(torch::Tensor& out, int64_t g0, const torch::Tensor& w, int64_t type, int64_t K) {
+  check_blocks(w, type, K);
+  TORCH_CHECK(g0 + (w.size(0) + G - 1) / G <= out.size(0), "quant_packed: the output has too few groups");
+  if (type == Q6_K) return pack_super(w, K, Q6_K_BYTES, Q6_K_BYTES, fill_q6, out, g0);
+  if (type == Q4_K) return pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_q4k, out, g0);
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
-  TORCH_CHECK(K % QK == 0 && w.size(1) == nb * bs, "quant_packed: K and block bytes disagree");
-  auto out = packed_groups(groups, nb * G * bs, N);  // padding channels: zero scales
+  TORCH_CHECK(w.size(1) == nb * bs && out.size(1) == nb * G * bs, "quant_packed: K and block bytes disagree");
   const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_stride = out.size(1);
-  split_groups(groups, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
+  uint8_t* dst = out.data_ptr<uint8_t>() + g0 * row_stride;
+  split_groups(groups, [&](int64_t ga, int64_t gb) {
+    for (int64_t g = ga; g < gb; ++g) {
       const Row row(dst + g * row_stride, type, nb);
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* q = const_cast<uint8_t*>(row.quants(b));
@@ -401,6 +411,32 @@ torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
       }
     }
   });
+}
+
+torch::Tensor pack(torch::Tensor w, int64_t type, int64_t K) {
+  check_blocks(w, type, K);
+  auto out = packed_groups((w.size(0) + G - 1) / G, packed_row_bytes(type, K), w.size(0));  // padding: zero scales
+  pack_into(out, 0, w, type, K);
+  return out;
+}
+
+// The parts' rows one after another (a merged projection), packed into one weight without concatenating the
+// blocks first: each part fills its own groups, so every part but the last must have a multiple of 16 rows.
+torch::Tensor pack_parts(const std::vector<torch::Tensor>& parts, int64_t type, int64_t K) {
+  TORCH_CHECK(!parts.empty(), "quant_packed: no parts");
+  int64_t groups = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    check_blocks(parts[i], type, K);
+    TORCH_CHECK(i + 1 == parts.size() || parts[i].size(0) % G == 0,
+                "quant_packed: every part but the last needs a multiple of 16 rows");
+    groups += (parts[i].size(0) + G - 1) / G;
+  }
+  auto out = packed_groups(groups, packed_row_bytes(type, K), parts.back().size(0));
+  int64_t g0 = 0;
+  for (const auto& part : parts) {
+    pack_into(out, g0, part, type, K);
+    g0 += (part.size(0) + G - 1) / G;
+  }
   return out;
 }
 
@@ -526,6 +562,8 @@ void register_quant_packed(pybind11::module_& parent) {
   auto m = parent.def_submodule("quant_packed");
   m.def("supported", &qp::supported, "whether this build has the packed kernel (AVX-512 VNNI or AVX2)");
   m.def("pack", &qp::pack, "blocks -> 16-channel groups", py::call_guard<py::gil_scoped_release>());
+  m.def("pack_parts", &qp::pack_parts, "row-concatenated blocks -> 16-channel groups",
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear", &qp::linear, "x @ dequant(w)^T for 16-channel groups", py::call_guard<py::gil_scoped_release>());
   m.def("dequantize", &qp::dequantize, "float32 matrix of 16-channel groups", py::call_guard<py::gil_scoped_release>());
   m.def("rows", &qp::rows, "float32 rows ids of 16-channel groups", py::call_guard<py::gil_scoped_release>());
