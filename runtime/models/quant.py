@@ -9,8 +9,9 @@ multiplies them with x rounded to int8 per block (``reference_linear`` defines t
 number of rows, so that a row's result does not depend on its batch. On a CPU with AVX-512 VNNI or AVX2 a weight
 is first repacked (``QuantTensor.pack``: the same bytes, 16 output channels interleaved, ``csrc/quant_packed.cpp``
 and ``csrc/quant_packed_avx2.h``), for which the kernel runs 2-4x fewer instructions per weight: the layers a
-decode step runs are then bound by memory, not by the kernel's bookkeeping. Both packed kernels give the same bits;
-the K-quants (Q4_K, Q6_K) are served as they are only by them. Without the kernel (no compiler, not a CPU)
+decode step runs are then bound by memory, not by the kernel's bookkeeping. Both packed kernels give the same bits,
+except for Q4_K, whose AVX2 kernel rounds the activations per 256 inputs (``activation_block``); the K-quants
+(Q4_K, Q6_K) are served as they are only by the packed kernels. Without the kernel (no compiler, not a CPU)
 the weight is unpacked to float and multiplied exactly. ``reference_dequantize`` and ``reference_linear`` are the
 pure-PyTorch definitions the kernels are checked against.
 """
@@ -178,17 +179,32 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
-def reference_linear(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+def activation_block(qtype: str) -> int:
+    """Inputs per activation scale of the kernel that serves ``qtype`` here: 256 for Q4_K under the AVX2 packed
+    kernel (one scale per super-block, as llama.cpp's Q8_K; ``csrc/quant_packed_avx2_q4k.h``), else 32."""
+    if qtype not in SUPER_BLOCKS:  # (before packed_ops: quant_ops' own check calls this)
+        return BLOCK
+    op = packed_ops()
+    return op.activation_block(QTYPES[qtype]) if op is not None else BLOCK
+
+
+def reference_linear(x: torch.Tensor, w: QuantTensor, act_block: int | None = None) -> torch.Tensor:
     """What the block kernel computes for float32 ``x`` [M, K] (the definition it is checked against): each row of
-    x rounded to int8 per block of 32 (scale max|x| / 127), integer dot products with the weight's levels, scaled by
-    both blocks' scales; Q4_1's offset times the sum of the rounded x block (so the result is exactly the
-    dequantized weight times the rounded x, as llama.cpp's Q8_1 activations make it)."""
+    x rounded to int8 per block of ``act_block`` inputs (default: ``activation_block(w.qtype)``; scale max|x| /
+    127), integer dot products with the weight's levels per block of 32, scaled by both blocks' scales; Q4_1's
+    offset times the sum of the rounded x block (so the result is exactly the dequantized weight times the rounded
+    x, as llama.cpp's Q8_1 activations make it)."""
     m, k = x.shape
     n, nb = w.shape[0], k // BLOCK
-    xb = x.float().reshape(m, nb, BLOCK)
-    dx = xb.abs().amax(-1, keepdim=True) / 127.0
+    act = activation_block(w.qtype) if act_block is None else act_block
+    if act % BLOCK or k % act:
+        raise ValueError(f"activation block {act} must be a multiple of {BLOCK} dividing K = {k}")
+    xa = x.float().reshape(m, k // act, act)
+    da = xa.abs().amax(-1, keepdim=True) / 127.0
     # x times the reciprocal of dx, in float32, as the kernels compute it (x / dx can round the other way)
-    qx = (xb * torch.where(dx > 0, 1.0 / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(dx))).round()
+    qx = (xa * torch.where(da > 0, 1.0 / torch.where(da > 0, da, torch.ones_like(da)), torch.zeros_like(da))).round()
+    qx = qx.reshape(m, nb, BLOCK)
+    dx = da.repeat_interleave(act // BLOCK, dim=1)  # [m, nb, 1]: each block of 32's scale
     if w.qtype == "Q6_K":  # integer dot products per sub-block of 16, each scaled by its d * scale
         levels, scales = q6_k_levels(w.data, n, k)
         dots = torch.einsum("mhj,nhj->mnh", qx.reshape(m, -1, 16).double(), levels.reshape(n, -1, 16).double())
@@ -295,7 +311,7 @@ def packed_ops():  # noqa: ANN201 - the compiled module, or None
             ids = torch.tensor([0, 36, 17])
             ok &= torch.equal(module.rows(data, ids, code, k, 37), ref[ids])
             x = torch.randn(7, k, generator=gen)
-            want = reference_linear(x, w)
+            want = reference_linear(x, w, module.activation_block(code))
             for m in range(1, 8):
                 ok &= torch.allclose(module.linear(x[:m], data, code, k, 37), want[:m], rtol=1e-4, atol=1e-4)
             xb = x.to(torch.bfloat16)  # bfloat16 in, the float32 sums rounded once to bfloat16 out

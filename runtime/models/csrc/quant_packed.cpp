@@ -197,6 +197,7 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
 
 #ifdef RS_PACKED_AVX2
 #include "quant_packed_avx2.h"
+#include "quant_packed_avx2_q4k.h"
 #endif
 
 #ifdef RS_PACKED_512
@@ -300,6 +301,15 @@ void check(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
 }
 
 }  // namespace
+
+// The block of inputs the activations are rounded over for this type: 256 for Q4_K on AVX2
+// (quant_packed_avx2_q4k.h), else 32 (reference_linear's act_block).
+int64_t activation_block(int64_t type) {
+#ifdef RS_PACKED_AVX2
+  if (type == Q4_K) return 256;
+#endif
+  return QK;
+}
 
 bool supported() {
 #ifdef RS_PACKED
@@ -472,7 +482,18 @@ template <typename T>
 void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int64_t type, int64_t N, T* yp) {
   const int64_t nb = K / QK;
   Acts a;
+#ifdef RS_PACKED_AVX2
+  Acts256 a256;  // Q4_K's activations (quant_packed_avx2_q4k.h)
+  if (type == Q4_K) {
+    quantize_rows_256(xp, M, K, a256);
+  } else {
+    quantize_rows(xp, M, K, a);
+  }
+  const Acts256& q4k_acts = a256;
+#else
   quantize_rows(xp, M, K, a);
+  const Acts& q4k_acts = a;
+#endif
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t stride = w.size(1);
   // Channel groups are independent: the work is tiles of groups x rows, so that a tile's weights and its rows'
@@ -491,7 +512,7 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
           continue;
         }
         if (type == Q4_K) {
-          group_all<Q4_K>(a, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
+          group_all<Q4_K>(q4k_acts, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
           continue;
         }
         const uint8_t* group = wp + g * stride;
@@ -560,6 +581,7 @@ torch::Tensor rows(torch::Tensor w, torch::Tensor ids, int64_t type, int64_t K, 
 void register_quant_packed(pybind11::module_& parent) {
   namespace qp = radixserve_quant_packed;
   auto m = parent.def_submodule("quant_packed");
+  m.def("activation_block", &qp::activation_block, "inputs per activation scale for a block type");
   m.def("supported", &qp::supported, "whether this build has the packed kernel (AVX-512 VNNI or AVX2)");
   m.def("pack", &qp::pack, "blocks -> 16-channel groups", py::call_guard<py::gil_scoped_release>());
   m.def("pack_parts", &qp::pack_parts, "row-concatenated blocks -> 16-channel groups",

@@ -1,7 +1,8 @@
 // quant_packed.cpp's kernels for CPUs with AVX2 and no AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake): the same
 // 16-channel groups, the same integer sums and the same float32 operations in the same order, so a product gives
-// the bits of the AVX-512 kernel. Included by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow,
-// Q6Row), Acts and prefetch; not a stand-alone header.
+// the bits of the AVX-512 kernel (Q4_K excepted: quant_packed_avx2_q4k.h rounds its activations per 256). Included
+// by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow, Q6Row), Acts and prefetch; not a
+// stand-alone header.
 //
 // A 256-bit register holds 8 channels' 4 weights, so a group is two halves of 8 channels. AVX2 has no vpdpbusd:
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
@@ -106,31 +107,20 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
   }
 }
 
-// MR rows against NH halves of group g starting at half h0: y[m0 + r][16 g + 8 h ...] (those below N). The float
-// operations are group_rows' (AVX-512) lane for lane.
+// MR rows against NH halves of group g starting at half h0: y[m0 + r][16 g + 8 h ...] (those below N), for the
+// 32-weight types (Q4_K: quant_packed_avx2_q4k.h). The float operations are group_rows' (AVX-512) lane for lane.
 template <int64_t TYPE, int MR, int NH, typename T, typename R>
 void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y, bool first) {
   const int64_t nb = K / QK, block = group_block_bytes(TYPE);
   __m256 acc[MR * NH];
   for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
-  __m256 d[NH], dmin[NH];  // Q4_K: the super-block's
-  for (int h = 0; h < NH; ++h) d[h] = dmin[h] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (first) prefetch(row.row, b, block);
     __m256 dw[NH], mw[NH];
     for (int h = 0; h < NH; ++h) {
       const int c = 8 * (h0 + h);  // the half's first channel in the group
-      if constexpr (TYPE == Q4_K) {
-        if (b % 8 == 0) {
-          d[h] = fp16x8_to_float(row.d(b) + 2 * c);
-          dmin[h] = fp16x8_to_float(row.dmin(b) + 2 * c);
-        }
-        dw[h] = _mm256_mul_ps(d[h], u8x8_to_float(row.scales(b) + c));
-        mw[h] = _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin[h]), u8x8_to_float(row.mins(b) + c));
-      } else {
-        dw[h] = fp16x8_to_float(row.scales(b) + 2 * c);
-        if constexpr (TYPE == Q4_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
-      }
+      dw[h] = fp16x8_to_float(row.scales(b) + 2 * c);
+      if constexpr (TYPE == Q4_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
     }
     __m256i s[MR * NH];
     block_sums<TYPE, MR, NH>(a, m0, nb, b, row.quants(b), h0, s);
@@ -141,7 +131,7 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
         if constexpr (TYPE == Q4_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * a.qsum[i]));
         __m256& out = acc[NH * r + h];
         out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw[h], _mm256_set1_ps(a.d[i])), out);
-        if constexpr (TYPE == Q4_1 || TYPE == Q4_K) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
+        if constexpr (TYPE == Q4_1) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
       }
     }
   }
@@ -222,12 +212,14 @@ void half_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_
   }
 }
 
-// MR rows against NH halves with the kernel of the weight's type.
-template <int64_t TYPE, int MR, int NH, typename T, typename R>
-inline void halves_of(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y,
+// MR rows against NH halves with the kernel of the weight's type (A: Acts256 for Q4_K, Acts for the others).
+template <int64_t TYPE, int MR, int NH, typename T, typename R, typename A>
+inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y,
                       bool first) {
   if constexpr (TYPE == Q6_K) {
     half_rows_q6<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
+  } else if constexpr (TYPE == Q4_K) {
+    half_rows_q4k<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
   } else {
     half_rows<TYPE, MR, NH, T, R>(a, m0, K, row, N, g, h0, y, first);
   }
@@ -238,27 +230,27 @@ inline void halves_of(const Acts& a, int64_t m0, int64_t K, const R& row, int64_
 // registers beside the weights (4-bit types 6, Q8_0 5, Q6_K 4: its two sub-blocks' sums). Measured on Zen 3, one
 // thread, 16 and 256 rows of 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8, 5 level
 // with 6; Q8_0 5 within noise of 4.
-template <int64_t TYPE, typename T, typename R>
-void group_all(const Acts& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
+template <int64_t TYPE, typename T, typename R, typename A>
+void group_all(const A& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
   if (m1 - m0 == 1) {
-    halves_of<TYPE, 1, 2, T, R>(a, m0, K, row, N, g, 0, y, true);
+    halves_of<TYPE, 1, 2, T, R, A>(a, m0, K, row, N, g, 0, y, true);
     return;
   }
   constexpr int MR = TYPE == Q6_K ? 4 : TYPE == Q8_0 ? 5 : 6;
   for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
     int64_t m = m0;
-    for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
+    for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R, A>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
     const bool first = h == 0 && m == m0;
     switch (m1 - m) {  // fewer than MR rows left (the cases a type's MR never leaves are not built)
       case 5:
-        if constexpr (MR > 5) halves_of<TYPE, 5, 1, T, R>(a, m, K, row, N, g, h, y, first);
+        if constexpr (MR > 5) halves_of<TYPE, 5, 1, T, R, A>(a, m, K, row, N, g, h, y, first);
         break;
       case 4:
-        if constexpr (MR > 4) halves_of<TYPE, 4, 1, T, R>(a, m, K, row, N, g, h, y, first);
+        if constexpr (MR > 4) halves_of<TYPE, 4, 1, T, R, A>(a, m, K, row, N, g, h, y, first);
         break;
-      case 3: halves_of<TYPE, 3, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
-      case 2: halves_of<TYPE, 2, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
-      case 1: halves_of<TYPE, 1, 1, T, R>(a, m, K, row, N, g, h, y, first); break;
+      case 3: halves_of<TYPE, 3, 1, T, R, A>(a, m, K, row, N, g, h, y, first); break;
+      case 2: halves_of<TYPE, 2, 1, T, R, A>(a, m, K, row, N, g, h, y, first); break;
+      case 1: halves_of<TYPE, 1, 1, T, R, A>(a, m, K, row, N, g, h, y, first); break;
       default: break;
     }
   }
