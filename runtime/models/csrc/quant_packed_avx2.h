@@ -66,6 +66,27 @@ inline void store_half(const __m256* acc, T* y, int64_t m0, int64_t N, int64_t c
   }
 }
 
+// One block of 32 4-bit weights (`q`: its quants, NH halves from h0) against MR rows of int8 activations (row r's
+// block at x + r * stride): the int16 pair sums p[NH * r + h], exact by the bounds above (widened by the caller).
+template <int MR, int NH>
+__attribute__((always_inline)) inline void nibble_sums(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
+                                                       __m256i* p) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    for (int h = 0; h < NH; ++h) {
+      const __m256i raw = load32(q + 64 * j + 32 * (h0 + h));
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = x + r * stride;
+        __m256i& pr = p[NH * r + h];
+        pr = add16(pr, _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+        pr = add16(pr, _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
+      }
+    }
+  }
+}
+
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
 // for the 32-weight types: s[NH * r + h] (int32 lane c: channel c's sum over the block's 32 weights).
 template <int64_t TYPE, int MR, int NH>
@@ -88,21 +109,8 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
       }
     }
   } else {
-    const __m256i low = _mm256_set1_epi8(15);
     __m256i p[MR * NH];
-    for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      for (int h = 0; h < NH; ++h) {
-        const __m256i raw = load32(q + 64 * j + 32 * (h0 + h));
-        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-          __m256i& pr = p[NH * r + h];
-          pr = add16(pr, _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-          pr = add16(pr, _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-        }
-      }
-    }
+    nibble_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, p);
     for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_madd_epi16(p[i], ones);
   }
 }

@@ -75,7 +75,6 @@ template <int MR, int NH, typename T>
 void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, int64_t N, int64_t g, int h0, T* y,
                    bool first) {
   const int64_t ns = K / 256, block = G * Q4_K_PACKED / 8;
-  const __m256i low = _mm256_set1_epi8(15);
   __m256 acc[MR * NH];
   for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < ns; ++s) {
@@ -83,21 +82,8 @@ void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, i
     for (int i = 0; i < MR * NH; ++i) si[i] = _mm256_setzero_si256();
     for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
       if (first) prefetch(row.row, b, block);
-      const uint8_t* q = row.quants(b);
       __m256i p[MR * NH];
-      for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        for (int h = 0; h < NH; ++h) {
-          const __m256i raw = load32(q + 64 * j + 32 * (h0 + h));
-          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-          for (int r = 0; r < MR; ++r) {
-            const int8_t* xq = a.q.data() + (m0 + r) * K + 32 * b;
-            __m256i& pr = p[NH * r + h];
-            pr = add16(pr, _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-            pr = add16(pr, _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-          }
-        }
-      }
+      nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
       for (int h = 0; h < NH; ++h) {
         const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
         for (int r = 0; r < MR; ++r)
