@@ -54,7 +54,7 @@ SOURCES = (
     RUNTIME / "models" / "csrc" / "quant_packed.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed_kquants.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2.h",
-    RUNTIME / "models" / "csrc" / "quant_packed_avx2_q4k.h",
+    RUNTIME / "models" / "csrc" / "quant_packed_avx2_q8k.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
     RUNTIME / "models" / "csrc" / "decode_stack.cpp",

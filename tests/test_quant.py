@@ -240,25 +240,26 @@ def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni_or_avx2() -> No
             w.pack().rows(slice(0, 16))
 
 
-def test_the_avx2_kernel_rounds_q4_k_activations_per_super_block() -> None:
-    """On AVX2 (no AVX-512 VNNI) Q4_K's activations are rounded with one scale per 256 inputs, as llama.cpp's Q8_K
-    rounds them; the kernel computes that definition, not the per-32 one (a row whose blocks differ in magnitude
-    by 100x tells them apart). Every other type, and AVX-512, keep a scale per 32."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_avx2_kernel_rounds_k_quant_activations_per_super_block(qtype: str) -> None:
+    """On AVX2 (no AVX-512 VNNI) the K-quants' activations are rounded with one scale per 256 inputs, as llama.cpp's
+    Q8_K rounds them; the kernel computes that definition, not the per-32 one (a row whose blocks differ in
+    magnitude by 100x tells them apart). The 32-weight types, and AVX-512, keep a scale per 32."""
     from radixserve.runtime.cpu_features import cpu_flags
 
     if quant.packed_ops() is None:
         pytest.skip("no packed kernel on this CPU")
     avx512 = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()
-    assert quant.activation_block("Q4_K") == (32 if avx512 else 256)
-    assert {quant.activation_block(t) for t in ("Q6_K", *QTYPES)} == {32}
+    assert quant.activation_block(qtype) == (32 if avx512 else 256)
+    assert {quant.activation_block(t) for t in QTYPES} == {32}
     gen = torch.Generator().manual_seed(13)
-    blocks = quant._random_blocks("Q4_K", 40, 512, gen)
+    blocks = quant._random_blocks(qtype, 40, 512, gen)
     x = torch.randn(3, 512, generator=gen) * torch.tensor([100.0, 1.0]).repeat_interleave(32).repeat(8)
     got = quant.linear(x, blocks.pack())
     for act in (32, 256):
         want = quant.reference_linear(x, blocks, act_block=act)
         close = torch.allclose(got, want, rtol=1e-4, atol=1e-3)
-        assert close == (act == quant.activation_block("Q4_K")), act
+        assert close == (act == quant.activation_block(qtype)), act
 
 
 @pytest.mark.parametrize("slice_bytes", [quant.UNPACK_SLICE_BYTES, 4096])

@@ -10,7 +10,7 @@ number of rows, so that a row's result does not depend on its batch. On a CPU wi
 is first repacked (``QuantTensor.pack``: the same bytes, 16 output channels interleaved, ``csrc/quant_packed.cpp``
 and ``csrc/quant_packed_avx2.h``), for which the kernel runs 2-4x fewer instructions per weight: the layers a
 decode step runs are then bound by memory, not by the kernel's bookkeeping. Both packed kernels give the same bits,
-except for Q4_K, whose AVX2 kernel rounds the activations per 256 inputs (``activation_block``); the K-quants
+except for the K-quants, whose AVX2 kernel rounds the activations per 256 inputs (``activation_block``); the K-quants
 (Q4_K, Q6_K) are served as they are only by the packed kernels. Without the kernel (no compiler, not a CPU)
 the weight is unpacked to float and multiplied exactly. ``reference_dequantize`` and ``reference_linear`` are the
 pure-PyTorch definitions the kernels are checked against.
@@ -180,8 +180,9 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
 
 
 def activation_block(qtype: str) -> int:
-    """Inputs per activation scale of the kernel that serves ``qtype`` here: 256 for Q4_K under the AVX2 packed
-    kernel (one scale per super-block, as llama.cpp's Q8_K; ``csrc/quant_packed_avx2_q4k.h``), else 32."""
+    """Inputs per activation scale of the kernel that serves ``qtype`` here: 256 for the K-quants (Q4_K, Q6_K)
+    under the AVX2 packed kernel (one scale per super-block, as llama.cpp's Q8_K; ``csrc/quant_packed_avx2_q8k.h``),
+    else 32."""
     if qtype not in SUPER_BLOCKS:  # (before packed_ops: quant_ops' own check calls this)
         return BLOCK
     op = packed_ops()

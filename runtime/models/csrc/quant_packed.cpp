@@ -197,7 +197,7 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
 
 #ifdef RS_PACKED_AVX2
 #include "quant_packed_avx2.h"
-#include "quant_packed_avx2_q4k.h"
+#include "quant_packed_avx2_q8k.h"
 #endif
 
 #ifdef RS_PACKED_512
@@ -302,11 +302,11 @@ void check(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
 
 }  // namespace
 
-// The block of inputs the activations are rounded over for this type: 256 for Q4_K on AVX2
-// (quant_packed_avx2_q4k.h), else 32 (reference_linear's act_block).
+// The block of inputs the activations are rounded over for this type: 256 for the K-quants on AVX2
+// (quant_packed_avx2_q8k.h), else 32 (reference_linear's act_block).
 int64_t activation_block(int64_t type) {
 #ifdef RS_PACKED_AVX2
-  if (type == Q4_K) return 256;
+  if (type == Q4_K || type == Q6_K) return 256;
 #endif
   return QK;
 }
@@ -483,16 +483,16 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
   const int64_t nb = K / QK;
   Acts a;
 #ifdef RS_PACKED_AVX2
-  Acts256 a256;  // Q4_K's activations (quant_packed_avx2_q4k.h)
-  if (type == Q4_K) {
+  Acts256 a256;  // the K-quants' activations (quant_packed_avx2_q8k.h)
+  if (type == Q4_K || type == Q6_K) {
     quantize_rows_256(xp, M, K, a256);
   } else {
     quantize_rows(xp, M, K, a);
   }
-  const Acts256& q4k_acts = a256;
+  const Acts256& kq_acts = a256;
 #else
   quantize_rows(xp, M, K, a);
-  const Acts& q4k_acts = a;
+  const Acts& kq_acts = a;
 #endif
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t stride = w.size(1);
@@ -508,11 +508,11 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
       const int64_t m1 = std::min(M, m0 + tile_rows);
       for (int64_t g = gt; g < g1; ++g) {
         if (type == Q6_K) {
-          group_all<Q6_K>(a, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
+          group_all<Q6_K>(kq_acts, m0, m1, K, Q6Row(wp + g * stride), N, g, yp);
           continue;
         }
         if (type == Q4_K) {
-          group_all<Q4_K>(q4k_acts, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
+          group_all<Q4_K>(kq_acts, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
           continue;
         }
         const uint8_t* group = wp + g * stride;

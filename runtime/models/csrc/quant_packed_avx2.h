@@ -1,8 +1,8 @@
 // quant_packed.cpp's kernels for CPUs with AVX2 and no AVX-512 VNNI (AMD Zen 2/3, Intel before Ice Lake): the same
 // 16-channel groups, the same integer sums and the same float32 operations in the same order, so a product gives
-// the bits of the AVX-512 kernel (Q4_K excepted: quant_packed_avx2_q4k.h rounds its activations per 256). Included
-// by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow, Q6Row), Acts and prefetch; not a
-// stand-alone header.
+// the bits of the AVX-512 kernel (the K-quants excepted: quant_packed_avx2_q8k.h rounds their activations per
+// 256). Included by quant_packed.cpp inside its namespace, after the layouts (Row, Q4KRow, Q6Row), Acts and
+// prefetch; not a stand-alone header.
 //
 // A 256-bit register holds 8 channels' 4 weights, so a group is two halves of 8 channels. AVX2 has no vpdpbusd:
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
@@ -116,7 +116,8 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
 }
 
 // MR rows against NH halves of group g starting at half h0: y[m0 + r][16 g + 8 h ...] (those below N), for the
-// 32-weight types (Q4_K: quant_packed_avx2_q4k.h). The float operations are group_rows' (AVX-512) lane for lane.
+// 32-weight types (the K-quants: quant_packed_avx2_q8k.h). The float operations are group_rows' (AVX-512) lane
+// for lane.
 template <int64_t TYPE, int MR, int NH, typename T, typename R>
 void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y, bool first) {
   const int64_t nb = K / QK, block = group_block_bytes(TYPE);
@@ -150,77 +151,7 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
   }
 }
 
-// The Q6_K version of half_rows (see group_rows_q6): 6-bit levels from the nibbles and the top bits, one integer
-// sum per sub-block of 16, 32 x the rounded activations' sums taken off, scaled by d * scale.
-template <int MR, int NH, typename T>
-void half_rows_q6(const Acts& a, int64_t m0, int64_t K, const Q6Row& row, int64_t N, int64_t g, int h0, T* y,
-                  bool first) {
-  const int64_t nb = K / QK, block = G * Q6_K_BYTES / 8;
-  const __m256i low = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  __m256 acc[MR * NH];
-  for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
-  __m256 d[NH];
-  for (int h = 0; h < NH; ++h) d[h] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if (first) prefetch(row.row, b, block);
-    const int8_t* sc = row.scales(b);
-    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
-    __m256i s0[MR * NH], s1[MR * NH];
-    for (int i = 0; i < MR * NH; ++i) s0[i] = s1[i] = _mm256_setzero_si256();
-    __m256 sc0[NH], sc1[NH];
-    for (int h = 0; h < NH; ++h) {
-      const int c = 8 * (h0 + h);
-      if (b % 8 == 0) d[h] = fp16x8_to_float(row.d(b) + 2 * c);
-      sc0[h] = _mm256_mul_ps(d[h], i8x8_to_float(sc + c));
-      sc1[h] = _mm256_mul_ps(d[h], i8x8_to_float(sc + 16 + c));
-      const __m256i t0 = load32(tp + 4 * c), t1 = load32(tp + 64 + 4 * c);
-      for (int jj = 0; jj < 4; jj += 2) {  // two j's of int16 sums, then widened
-        __m256i p0[MR], p1[MR];
-        for (int r = 0; r < MR; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
-        for (int j = jj; j < jj + 2; ++j) {
-          const __m256i raw = load32(nib + 64 * j + 4 * c);
-          // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (what a 16-bit shift moves across bytes is masked).
-          __m256i u0, u1;
-          switch (j) {
-            case 0: u0 = _mm256_slli_epi16(t0, 4); u1 = _mm256_slli_epi16(t1, 4); break;
-            case 1: u0 = _mm256_slli_epi16(t0, 2); u1 = _mm256_slli_epi16(t1, 2); break;
-            case 2: u0 = t0; u1 = t1; break;
-            default: u0 = _mm256_srli_epi16(t0, 2); u1 = _mm256_srli_epi16(t1, 2); break;
-          }
-          const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(u0, top2));
-          const __m256i hi =
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(u1, top2));
-          for (int r = 0; r < MR; ++r) {
-            const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-            p0[r] = add16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-            p1[r] = add16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-          }
-        }
-        for (int r = 0; r < MR; ++r) {
-          s0[NH * r + h] = _mm256_add_epi32(s0[NH * r + h], _mm256_madd_epi16(p0[r], ones));
-          s1[NH * r + h] = _mm256_add_epi32(s1[NH * r + h], _mm256_madd_epi16(p1[r], ones));
-        }
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const int64_t i = (m0 + r) * nb + b;
-      for (int h = 0; h < NH; ++h) {
-        const __m256i c0 = _mm256_sub_epi32(s0[NH * r + h], _mm256_set1_epi32(32 * a.half[i]));
-        const __m256i c1 = _mm256_sub_epi32(s1[NH * r + h], _mm256_set1_epi32(32 * (a.qsum[i] - a.half[i])));
-        const __m256 t =
-            _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), sc1[h], _mm256_mul_ps(_mm256_cvtepi32_ps(c0), sc0[h]));
-        acc[NH * r + h] = _mm256_fmadd_ps(t, _mm256_set1_ps(a.d[i]), acc[NH * r + h]);
-      }
-    }
-  }
-  for (int h = 0; h < NH; ++h) {
-    __m256 part[MR];
-    for (int r = 0; r < MR; ++r) part[r] = acc[NH * r + h];
-    store_half<MR>(part, y, m0, N, g * G + 8 * (h0 + h));
-  }
-}
-
-// MR rows against NH halves with the kernel of the weight's type (A: Acts256 for Q4_K, Acts for the others).
+// MR rows against NH halves with the kernel of the weight's type (A: Acts256 for the K-quants, Acts for the others).
 template <int64_t TYPE, int MR, int NH, typename T, typename R, typename A>
 inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, int h0, T* y,
                       bool first) {
