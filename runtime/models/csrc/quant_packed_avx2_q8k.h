@@ -80,6 +80,18 @@ inline __m256i bytes_as_pair(const uint8_t* a, const uint8_t* b) {
   return _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
 }
 
+// The loop both kernels share: for each super-block s, the int32 sums si[SUMS] start at zero, block(b, si) adds
+// each of its 8 blocks of 32 to them, and finish(s, si) scales them into the rows' float sums.
+template <int SUMS, typename Block, typename Finish>
+__attribute__((always_inline)) inline void each_super_block(int64_t ns, const Block& block, const Finish& finish) {
+  for (int64_t s = 0; s < ns; ++s) {
+    __m256i si[SUMS];
+    for (int i = 0; i < SUMS; ++i) si[i] = _mm256_setzero_si256();
+    for (int64_t b = 8 * s; b < 8 * s + 8; ++b) block(b, si);
+    finish(s, si);
+  }
+}
+
 // MR rows against NH halves of a Q4_K group, starting at half h0 (as half_rows).
 template <int MR, int NH, typename T>
 void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, int64_t N, int64_t g, int h0, T* y,
@@ -87,24 +99,23 @@ void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, i
   const int64_t ns = K / 256, block = G * Q4_K_PACKED / 8;
   __m256 acc[MR * NH];
   for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < ns; ++s) {
-    __m256i si[MR * NH];
-    for (int i = 0; i < MR * NH; ++i) si[i] = _mm256_setzero_si256();
-    for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
-      if (first) prefetch(row.row, b, block);
-      __m256i p[MR * NH];
-      nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
-      for (int h = 0; h < NH; ++h) {
-        const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
-        for (int r = 0; r < MR; ++r)
-          si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p[NH * r + h], sc));
-      }
+  const auto add_block = [&](int64_t b, __m256i* si) {
+    if (first) prefetch(row.row, b, block);
+    __m256i p[MR * NH];
+    nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
+    for (int h = 0; h < NH; ++h) {
+      const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
+      for (int r = 0; r < MR; ++r)
+        si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p[NH * r + h], sc));
     }
+  };
+  const auto finish = [&](int64_t s, const __m256i* si) {
     for (int h = 0; h < NH; ++h) {
       const int c = 8 * (h0 + h);
       const __m256 d = fp16x8_to_float(row.d(8 * s) + 2 * c), dmin = fp16x8_to_float(row.dmin(8 * s) + 2 * c);
       __m256i mn[4];
-      for (int k = 0; k < 4; ++k) mn[k] = bytes_as_pair(row.mins(8 * s + 2 * k) + c, row.mins(8 * s + 2 * k + 1) + c);
+      for (int k = 0; k < 4; ++k)
+        mn[k] = bytes_as_pair(row.mins(8 * s + 2 * k) + c, row.mins(8 * s + 2 * k + 1) + c);
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * ns + s;
         __m256i mi = _mm256_setzero_si256();
@@ -116,7 +127,8 @@ void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, i
         out = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mi), _mm256_mul_ps(dmin, dx), out);
       }
     }
-  }
+  };
+  each_super_block<MR * NH>(ns, add_block, finish);
   for (int h = 0; h < NH; ++h) {
     __m256 part[MR];
     for (int r = 0; r < MR; ++r) part[r] = acc[NH * r + h];
@@ -146,61 +158,61 @@ void half_rows_q6(const Acts256& a, int64_t m0, int64_t K, const Q6Row& row, int
   const __m256i low = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
   __m256 acc[MR * NH];
   for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < ns; ++s) {
-    __m256i si[MR * NH];
-    for (int i = 0; i < MR * NH; ++i) si[i] = _mm256_setzero_si256();
-    for (int64_t b = 8 * s; b < 8 * s + 8; ++b) {
-      if (first) prefetch(row.row, b, block);
-      const int8_t* sc = row.scales(b);
-      const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
-      for (int h = 0; h < NH; ++h) {
-        const int c = 8 * (h0 + h);
-        const __m256i sc0 = signed_bytes_in_pairs(sc + c), sc1 = signed_bytes_in_pairs(sc + 16 + c);
-        const __m256i t0 = load32(tp + 4 * c), t1 = load32(tp + 64 + 4 * c);
-        for (int jj = 0; jj < 4; jj += 2) {  // two j's of int16 sums, then widened by their scales
-          __m256i p0[MR], p1[MR];
-          for (int r = 0; r < MR; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
-          for (int j = jj; j < jj + 2; ++j) {
-            const __m256i raw = load32(nib + 64 * j + 4 * c);
-            // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (what a 16-bit shift moves across bytes is
-            // masked).
-            __m256i u0, u1;
-            switch (j) {
-              case 0: u0 = _mm256_slli_epi16(t0, 4); u1 = _mm256_slli_epi16(t1, 4); break;
-              case 1: u0 = _mm256_slli_epi16(t0, 2); u1 = _mm256_slli_epi16(t1, 2); break;
-              case 2: u0 = t0; u1 = t1; break;
-              default: u0 = _mm256_srli_epi16(t0, 2); u1 = _mm256_srli_epi16(t1, 2); break;
-            }
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(u0, top2));
-            const __m256i hi =
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(u1, top2));
-            for (int r = 0; r < MR; ++r) {
-              const int8_t* xq = a.q.data() + (m0 + r) * K + 32 * b;
-              p0[r] = add16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
-              p1[r] = add16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
-            }
+  const auto add_block = [&](int64_t b, __m256i* si) {
+    if (first) prefetch(row.row, b, block);
+    const int8_t* sc = row.scales(b);
+    const uint8_t *nib = row.nibbles(b), *tp = row.tops(b);
+    for (int h = 0; h < NH; ++h) {
+      const int c = 8 * (h0 + h);
+      const __m256i sc0 = signed_bytes_in_pairs(sc + c), sc1 = signed_bytes_in_pairs(sc + 16 + c);
+      const __m256i t0 = load32(tp + 4 * c), t1 = load32(tp + 64 + 4 * c);
+      for (int jj = 0; jj < 4; jj += 2) {  // two j's of int16 sums, then widened by their scales
+        __m256i p0[MR], p1[MR];
+        for (int r = 0; r < MR; ++r) p0[r] = p1[r] = _mm256_setzero_si256();
+        for (int j = jj; j < jj + 2; ++j) {
+          const __m256i raw = load32(nib + 64 * j + 4 * c);
+          // Top bits 2 j, 2 j + 1 of each byte moved to bits 4, 5 (what a 16-bit shift moves across bytes is
+          // masked).
+          __m256i u0, u1;
+          switch (j) {
+            case 0: u0 = _mm256_slli_epi16(t0, 4); u1 = _mm256_slli_epi16(t1, 4); break;
+            case 1: u0 = _mm256_slli_epi16(t0, 2); u1 = _mm256_slli_epi16(t1, 2); break;
+            case 2: u0 = t0; u1 = t1; break;
+            default: u0 = _mm256_srli_epi16(t0, 2); u1 = _mm256_srli_epi16(t1, 2); break;
           }
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), _mm256_and_si256(u0, top2));
+          const __m256i hi =
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), _mm256_and_si256(u1, top2));
           for (int r = 0; r < MR; ++r) {
-            __m256i& sum = si[NH * r + h];
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p0[r], sc0));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p1[r], sc1));
+            const int8_t* xq = a.q.data() + (m0 + r) * K + 32 * b;
+            p0[r] = add16(p0[r], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * j)));
+            p1[r] = add16(p1[r], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * j)));
           }
         }
-        const __m256i scp = signed_bytes_as_pair(sc + c, sc + 16 + c);
         for (int r = 0; r < MR; ++r) {
-          const __m256i offset = _mm256_madd_epi16(scp, _mm256_set1_epi32(a.hpair[(m0 + r) * nb + b]));
-          si[NH * r + h] = _mm256_sub_epi32(si[NH * r + h], _mm256_slli_epi32(offset, 5));
+          __m256i& sum = si[NH * r + h];
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p0[r], sc0));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p1[r], sc1));
         }
       }
+      const __m256i scp = signed_bytes_as_pair(sc + c, sc + 16 + c);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i offset = _mm256_madd_epi16(scp, _mm256_set1_epi32(a.hpair[(m0 + r) * nb + b]));
+        si[NH * r + h] = _mm256_sub_epi32(si[NH * r + h], _mm256_slli_epi32(offset, 5));
+      }
     }
+  };
+  const auto finish = [&](int64_t s, const __m256i* si) {
     for (int h = 0; h < NH; ++h) {
       const __m256 d = fp16x8_to_float(row.d(8 * s) + 2 * 8 * (h0 + h));
       for (int r = 0; r < MR; ++r) {
         const __m256 dx = _mm256_set1_ps(a.d[(m0 + r) * ns + s]);
-        acc[NH * r + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[NH * r + h]), _mm256_mul_ps(d, dx), acc[NH * r + h]);
+        __m256& out = acc[NH * r + h];
+        out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si[NH * r + h]), _mm256_mul_ps(d, dx), out);
       }
     }
-  }
+  };
+  each_super_block<MR * NH>(ns, add_block, finish);
   for (int h = 0; h < NH; ++h) {
     __m256 part[MR];
     for (int r = 0; r < MR; ++r) part[r] = acc[NH * r + h];
