@@ -110,9 +110,21 @@ def test_a_graph_step_computes_what_the_eager_step_does(tiny_model_dir: Path) ->
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _with_graphs(eng: Engine, overlap: bool) -> None:
-    """Give the engine (CPU, before any request) what a CUDA engine has: a pool with a scratch slot, the decode
-    graphs (run eagerly here, their attention under the Triton interpreter) and the overlap."""
+def _tiny_engine(folder: Path, overlapped: bool) -> Engine:
+    """The tiny model's float32 engine; ``overlapped``: given (before any request) what a CUDA engine has, a pool
+    with a scratch slot, the decode graphs (run eagerly here, their attention under the Triton interpreter) and the
+    overlap."""
+    eng = Engine(model=str(folder), device="cpu", max_total_tokens=512, dtype="float32")
+    if overlapped:
+        try:
+            _with_graphs(eng)
+        except BaseException:
+            eng.shutdown()
+            raise
+    return eng
+
+
+def _with_graphs(eng: Engine) -> None:
     from radixserve.runtime.cuda_graph import DecodeGraphs
     from radixserve.runtime.kv_pool import KVPool
 
@@ -122,7 +134,7 @@ def _with_graphs(eng: Engine, overlap: bool) -> None:
                       torch.device("cpu"), scratch_slots=1)  # fmt: skip
         runner.pool = pool
         runner.graphs = DecodeGraphs(runner.model, pool, max_bs=8, max_context=256, device=torch.device("cpu"))
-        core.overlap = overlap
+        core.overlap = True
 
     eng.call(patch)
 
@@ -139,10 +151,8 @@ def test_overlapped_decode_gives_the_same_tokens_and_frees_every_slot(tiny_qwen_
     lengths = [30, 3, 25, 1, 9]
     results = []
     for overlap in (False, True):
-        eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+        eng = _tiny_engine(tiny_qwen_dir, overlap)
         try:
-            if overlap:
-                _with_graphs(eng, overlap=True)
             greedy = {"max_new_tokens": 30, "temperature": 0}
             first = eng.generate(input_ids=prompts[0], sampling_params=greedy)["output_ids"]
             stop = first[5]  # met part-way by the first request, which then stops there (a surprise to the overlap)
@@ -176,9 +186,8 @@ def test_an_abort_while_steps_are_in_flight_frees_its_slots(tiny_qwen_dir: Path)
     from radixserve.runtime.sampling_params import SamplingParams
     from tests.test_engine import assert_all_free
 
-    eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+    eng = _tiny_engine(tiny_qwen_dir, overlapped=True)
     try:
-        _with_graphs(eng, overlap=True)
         done = threading.Event()
         got: list[int] = []
         box: dict = {}
@@ -211,10 +220,9 @@ def test_a_launch_that_fails_falls_back_to_the_plain_step(tiny_qwen_dir: Path) -
     greedy = {"max_new_tokens": 16, "temperature": 0}
     outs = []
     for faulty in (False, True):
-        eng = Engine(model=str(tiny_qwen_dir), device="cpu", max_total_tokens=512, dtype="float32")
+        eng = _tiny_engine(tiny_qwen_dir, faulty)
         try:
             if faulty:
-                _with_graphs(eng, overlap=True)
                 calls = {"n": 0}
 
                 def patch(core, calls=calls) -> None:  # noqa: ANN001
