@@ -3,9 +3,10 @@
 ``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
 a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
 blocks the engine computes with directly. Q4_K and Q6_K stay as they are where the packed kernel runs (AVX-512
-VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks (``k_quants``). Other block types (Q5_K, IQ types,
-and Q6_K without the packed kernel) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an
-error far below theirs, and still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
+VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks. Q5_0 blocks become Q8_0 blocks of exactly the same
+weights (``k_quants``). Other block types (Q5_1, Q5_K, IQ types, and Q6_K without the packed kernel) are
+dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and still a
+quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
 llama.cpp's). Every tensor is copied out of the memory-mapped file, so the mapping can be dropped once loading is
 done and only the engine's copy stays resident.
 """
@@ -24,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from radixserve.runtime.gguf_file import GGUFFile, ggml_type
-from radixserve.runtime.k_quants import q4_k_to_q4_1
+from radixserve.runtime.k_quants import q4_k_to_q4_1, q5_0_to_q8_0
 from radixserve.runtime.models.quant import ROW_KERNEL_TYPES, QuantTensor, packed_ops, quantize_q8_0
 
 logger = logging.getLogger("radixserve.model")
@@ -49,6 +50,8 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+# Block types rewritten as a kernel's type with the same quants where they are not served as they are.
+_REBLOCK = {"Q4_K": ("Q4_1", q4_k_to_q4_1), "Q5_0": ("Q8_0", q5_0_to_q8_0)}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -78,7 +81,8 @@ def iter_gguf_weights(
     reader = GGUFFile(path)
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
-    requantized = reblocked = 0
+    requantized = 0
+    reblocked: dict[str, int] = {}  # "Q4_K as Q4_1": tensors
     with tqdm(total=len(reader.tensors), desc="Loading weights", unit="tensor", file=sys.stderr,
               disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
         for t in reader.tensors:
@@ -93,9 +97,11 @@ def iter_gguf_weights(
                 value: torch.Tensor | QuantTensor = _float_tensor(raw, qtype).reshape(shape)
             elif len(shape) == 2 and keep_quantized and _served_as_is(qtype, shape[1]):
                 value = QuantTensor(qtype, _view(raw), shape, mapped=True)  # type: ignore[arg-type]
-            elif len(shape) == 2 and keep_quantized and qtype == "Q4_K":
-                value = QuantTensor("Q4_1", torch.from_numpy(q4_k_to_q4_1(raw)), shape)  # type: ignore[arg-type]
-                reblocked += 1
+            elif len(shape) == 2 and keep_quantized and qtype in _REBLOCK:
+                to, rewrite = _REBLOCK[qtype]
+                value = QuantTensor(to, torch.from_numpy(rewrite(raw)), shape)  # type: ignore[arg-type]
+                key = f"{qtype} as {to}"
+                reblocked[key] = reblocked.get(key, 0) + 1
             else:
                 from gguf.quants import dequantize  # only for block types the kernels do not take
 
@@ -111,7 +117,8 @@ def iter_gguf_weights(
                 )
             yield name, value
     if reblocked:
-        logger.info("re-blocked %d Q4_K tensors as Q4_1 (the same quants, docs/quantization.md)", reblocked)
+        counts = ", ".join(f"{n} {kind}" for kind, n in reblocked.items())
+        logger.info("re-blocked GGUF tensors: %s (the same quants, docs/quantization.md)", counts)
     if requantized:
         logger.info("re-quantized %d GGUF tensors of other block types to Q8_0 (docs/quantization.md)", requantized)
     # Drops the memory map once no view of it is left: the loader packs or copies each weight as it comes

@@ -1,4 +1,4 @@
-"""GGUF's K-quant blocks rewritten as the blocks the kernels compute with, without a float copy.
+"""GGUF's K-quant blocks (and Q5_0's) rewritten as the blocks the kernels compute with, without a float copy.
 
 ``Q4_K`` (most of a ``Q4_K_M`` file) is a super-block of 256 weights: fp16 ``d`` and ``dmin``, 8 sub-blocks of 32
 with 6-bit scale ``sc`` and 6-bit minimum ``m`` each, and 4-bit quants ``q``; weight = ``d * sc * q - dmin * m``.
@@ -11,6 +11,11 @@ kernel runs (``csrc/quant_packed.cpp``; ``q6_k_levels`` is its definition): 256 
 scales (16 weights each) and 6-bit quants; weight = ``d * scale * (q - 32)``. Elsewhere it, like ``Q5_K``, has no
 32-block twin among the row kernels' types, so ``gguf_weights`` dequantizes it and re-quantizes to Q8_0, 8.5 bits a
 weight.
+
+``Q5_0`` (what ``llama-quantize`` writes for the Q4_K tensors of a ``Q4_K_M`` mix whose rows are not a multiple of
+256 long, e.g. every 576-wide projection of SmolLM2-135M) is a block of 32: fp16 ``d``, 32 fifth bits ``qh`` and 4-bit
+``qs``; weight = ``d * (q - 16)`` with ``q`` in [0, 31]. That is a ``Q8_0`` block exactly: the same ``d`` and int8
+levels ``q - 16``. 5.5 bits a weight become 8.5, with no error (a re-quantization would add up to half a Q8_0 step).
 
 Layout of a Q4_K block (144 bytes, ggml's ``block_q4_K``): ``d`` fp16, ``dmin`` fp16, ``scales[12]``, ``qs[128]``.
 The 6-bit scales and minimums are packed as ggml's ``get_scale_min_k4`` reads them: for sub-block ``j < 4``,
@@ -26,6 +31,8 @@ import torch
 
 Q4_K_BYTES = 144
 Q4_1_BYTES = 20
+Q5_0_BYTES = 22
+Q8_0_BYTES = 34
 Q6_K_BYTES = 210
 # A Q4_K super-block in the packed layout (csrc/quant_packed_kquants.h): its 6-bit scales and minimums as bytes.
 Q4_K_PACKED_BYTES = 148
@@ -90,4 +97,20 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     out[..., 0:2] = scale[..., None].view(np.uint8).reshape(*scale.shape, 2)
     out[..., 2:4] = offset[..., None].view(np.uint8).reshape(*offset.shape, 2)
     out[..., 4:] = packed.astype(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def q5_0_to_q8_0(raw: np.ndarray) -> np.ndarray:
+    """``raw``: uint8 ``[rows, n_blocks * 22]`` Q5_0 bytes (ggml's ``block_q5_0``: ``d`` fp16, ``qh`` a little-endian
+    uint32 whose bit i is weight i's fifth bit, ``qs[16]`` with weight i in the low nibble of byte i and weight
+    i + 16 in its high nibble); returns uint8 ``[rows, n_blocks * 34]`` Q8_0 bytes of exactly the same weights."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q5_0_BYTES)
+    out = np.empty((rows, blocks.shape[1], Q8_0_BYTES), np.uint8)
+    out[..., 0:2] = blocks[..., 0:2]
+    qh = blocks[..., 2:6].copy().view("<u4")  # [rows, nb, 1]
+    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [rows, nb, 32]
+    qs = blocks[..., 6:]
+    levels = np.concatenate([qs & 15, qs >> 4], axis=-1) | fifth  # q in [0, 31], weight order
+    out[..., 2:] = (levels.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
     return out.reshape(rows, -1)

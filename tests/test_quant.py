@@ -421,6 +421,30 @@ def test_q4_k_blocks_become_q4_1_blocks_of_the_same_weights() -> None:
     assert np.abs(got - expected).max() < 0.01 * np.abs(expected).max()
 
 
+def test_q5_0_blocks_become_q8_0_blocks_of_exactly_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from radixserve.runtime.gguf_weights import iter_gguf_weights
+    from radixserve.runtime.k_quants import q5_0_to_q8_0
+    from radixserve.runtime.weights import load_hf_config
+
+    rng = np.random.default_rng(5)
+    rows, k = 5, 96
+    blocks = rng.integers(0, 256, size=(rows, k // 32, 22), dtype=np.uint8)  # any fifth bits and nibbles
+    blocks[..., 0:2] = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
+    got = reference_dequantize(QuantTensor("Q8_0", torch.from_numpy(q5_0_to_q8_0(raw)), (rows, k))).numpy()
+    assert np.array_equal(got, expected)
+    # A Q5_0 file's weights load as Q8_0 blocks of the same values (q and k rows back in HF's order).
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.Q5_0.gguf", qtype="Q5_0")
+    config = load_hf_config(tiny_model_dir)
+    dense = dict(iter_gguf_weights(path, config, keep_quantized=False, progress=False))
+    served = dict(iter_gguf_weights(path, config, progress=False))
+    blocked = {n: v for n, v in served.items() if isinstance(v, QuantTensor)}
+    assert blocked and all(v.qtype == "Q8_0" for v in blocked.values())
+    for name, value in blocked.items():
+        assert torch.equal(reference_dequantize(value), dense[name]), name
+
+
 def test_the_ggml_type_table_is_gguf_pys() -> None:
     from radixserve.runtime.gguf_file import GGML_TYPES
 
