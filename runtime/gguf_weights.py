@@ -2,11 +2,11 @@
 
 ``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
 a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
-blocks the engine computes with directly. Q4_K and Q6_K stay as they are where the packed kernel runs (AVX-512
-VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks. Q5_0 blocks become Q8_0 blocks of exactly the same
-weights (``k_quants``). Other block types (Q5_1, Q5_K, IQ types, and Q6_K without the packed kernel) are
-dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and still a
-quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
+blocks the engine computes with directly. Q5_0, Q5_1, Q4_K and Q6_K stay as they are where the packed kernel serves
+them (AVX-512 VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks and Q5_0 blocks become Q8_0 blocks of
+exactly the same weights (``k_quants``). Other block types (Q5_K, IQ types, and Q5_1 and Q6_K without the packed
+kernel) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and
+still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
 llama.cpp's). Every tensor is copied out of the memory-mapped file, so the mapping can be dropped once loading is
 done and only the engine's copy stays resident.
 """
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from radixserve.runtime.gguf_file import GGUFFile, ggml_type
 from radixserve.runtime.k_quants import q4_k_to_q4_1, q5_0_to_q8_0
-from radixserve.runtime.models.quant import ROW_KERNEL_TYPES, QuantTensor, packed_ops, quantize_q8_0
+from radixserve.runtime.models.quant import ROW_KERNEL_TYPES, QuantTensor, packed_types, quantize_q8_0, weight_block
 
 logger = logging.getLogger("radixserve.model")
 
@@ -135,10 +135,11 @@ def _view(raw: np.ndarray) -> torch.Tensor:
 
 
 def _served_as_is(qtype: str, k: int) -> bool:
-    """Whether the kernels compute with this block type directly (the K-quants: only the packed kernel does)."""
-    if qtype in ("Q4_K", "Q6_K"):
-        return k % 256 == 0 and packed_ops() is not None
-    return qtype in ROW_KERNEL_TYPES
+    """Whether the kernels compute with this block type directly (the 5-bit types and the K-quants: only the
+    packed kernel does)."""
+    if qtype in ROW_KERNEL_TYPES:
+        return True
+    return qtype in packed_types() and k % weight_block(qtype) == 0
 
 
 def _order(n: int, n_head: int) -> torch.Tensor:

@@ -20,7 +20,9 @@ from radixserve.runtime.models.quant import QuantTensor, quantize_q4_1, quantize
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import write_tiny_gguf
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1"]  # the row kernel's types
+FIVE_BIT = ["Q5_0", "Q5_1"]  # 32-weight blocks only the packed kernel takes
+PACKED_QTYPES = [*QTYPES, *FIVE_BIT, "Q4_K", "Q6_K"]
 
 
 def _gguf_blocks(qtype: str, w: np.ndarray) -> tuple[QuantTensor, np.ndarray]:
@@ -31,7 +33,7 @@ def _gguf_blocks(qtype: str, w: np.ndarray) -> tuple[QuantTensor, np.ndarray]:
     return blocks, gguf.quants.dequantize(raw, kind)
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", [*QTYPES, *FIVE_BIT])
 def test_blocks_decode_as_gguf_py_decodes_them(qtype: str) -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 160)).astype(np.float32)
@@ -47,7 +49,7 @@ def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
     if quant.packed_ops() is None:
         pytest.skip("neither AVX-512 VNNI nor AVX2 on this CPU: weights keep their rows")
     packed = blocks.pack()
-    assert packed.packed
+    assert packed.packed, f"{blocks.qtype} is not served packed here: {sorted(quant.packed_types())}"
     if blocks.qtype != "Q4_K":  # the same bytes, the last group padded
         assert packed.nbytes == -(-blocks.shape[0] // 16) * 16 * blocks.data.shape[1]
     return packed
@@ -60,13 +62,15 @@ def _has_packed_kernel() -> bool:
     return {"avx512f", "avx512bw", "avx512_vnni"} <= flags or {"avx2", "fma", "f16c"} <= flags
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("qtype", [*QTYPES, *FIVE_BIT])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 40])
 @pytest.mark.parametrize("layout", ["rows", "packed"])
 def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
     qtype: str, rows: int, layout: str
 ) -> None:
     """67 channels (a padded last group when packed) by 96 inputs (an odd number of blocks: a short last run)."""
+    if layout == "rows" and qtype in FIVE_BIT:
+        pytest.skip("the row kernel has no 5-bit types: the loader serves them packed or as Q8_0")
     rng = np.random.default_rng(1)
     rows_blocks, dense = _gguf_blocks(qtype, rng.standard_normal((67, 96)).astype(np.float32))
     blocks = _layout(rows_blocks, layout)
@@ -82,7 +86,7 @@ def test_quantized_linear_is_its_definition_and_close_to_the_dequantized_matmul(
     assert torch.equal(blocks.dequantize(), torch.from_numpy(dense))
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
 def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> None:
     """Speculative verification and deterministic inference rely on it: a row computed alone, in a batch of 2-13
     (every row-group size of the kernel) and at any place in it gives the same bits."""
@@ -99,7 +103,7 @@ def test_a_row_of_the_packed_kernel_does_not_depend_on_its_batch(qtype: str) -> 
     assert torch.equal(quant.linear(xb, blocks), quant.linear(xb.float(), blocks).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
 def test_packing_a_large_weight_on_several_threads_keeps_every_weight(qtype: str) -> None:
     """Packing splits a weight's channel groups among threads from 128 groups on (the last part shorter): 2,070
     channels (130 groups, the last padded) unpack to the definition's numbers."""
@@ -188,7 +192,7 @@ def test_a_merged_projection_of_mixed_block_types_keeps_each_part_in_its_own() -
     assert torch.equal(layer.quant.dequantize(), dense)
 
 
-@pytest.mark.parametrize("qtype", [*QTYPES, "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
 def test_a_merged_projection_of_one_block_type_is_packed_part_by_part(qtype: str) -> None:
     """gate/up (or q/k) of one block type are packed straight from the file's bytes, each part into its own channel
     groups: the same bytes as packing their concatenation. A part other than the last whose rows are not a
@@ -327,13 +331,13 @@ def test_our_quantizers_round_trip_within_half_a_step(quantize, levels: int) -> 
 @pytest.fixture(scope="module")
 def gguf_models(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     out = tmp_path_factory.mktemp("tiny-gguf")
-    files = {q: write_tiny_gguf(tiny_model_dir, out / f"tiny.{q}.gguf", qtype=q) for q in ("Q8_0", "Q4_1")}
+    files = {q: write_tiny_gguf(tiny_model_dir, out / f"tiny.{q}.gguf", qtype=q) for q in ("Q8_0", "Q4_1", *FIVE_BIT)}
     yield files
     for path in files.values():  # the model cache's folders for these temporary files would only pile up
         shutil.rmtree(resolve_model(str(path)), ignore_errors=True)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", *FIVE_BIT])
 def test_a_quantized_gguf_serves_its_blocks_and_matches_their_dequantization(
     gguf_models: dict[str, Path], qtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -356,7 +360,9 @@ def test_a_quantized_gguf_serves_its_blocks_and_matches_their_dequantization(
             engine.check_kv()
         finally:
             engine.shutdown()
-    assert weights["none"] == {} and set(weights["auto"].values()) == {qtype}
+    # The 5-bit types are served as they are by the packed kernel; without it, as Q8_0 (Q5_0 exactly).
+    served = qtype if qtype in QTYPES or qtype in quant.packed_types() else "Q8_0"
+    assert weights["none"] == {} and set(weights["auto"].values()) == {served}
     assert weights["auto"].keys() >= {"Linear", "MergedLinear", "Embedding"}
     # The tiny model ties its head to the embedding: both read the head's one (packed) copy.
     assert packed == dict.fromkeys(("Linear", "MergedLinear", "Embedding"), _has_packed_kernel())
@@ -421,7 +427,10 @@ def test_q4_k_blocks_become_q4_1_blocks_of_the_same_weights() -> None:
     assert np.abs(got - expected).max() < 0.01 * np.abs(expected).max()
 
 
-def test_q5_0_blocks_become_q8_0_blocks_of_exactly_the_same_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_q5_0_blocks_become_q8_0_blocks_of_exactly_the_same_weights(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from radixserve.runtime import gguf_weights
     from radixserve.runtime.gguf_weights import iter_gguf_weights
     from radixserve.runtime.k_quants import q5_0_to_q8_0
     from radixserve.runtime.weights import load_hf_config
@@ -434,15 +443,17 @@ def test_q5_0_blocks_become_q8_0_blocks_of_exactly_the_same_weights(tiny_model_d
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_0)
     got = reference_dequantize(QuantTensor("Q8_0", torch.from_numpy(q5_0_to_q8_0(raw)), (rows, k))).numpy()
     assert np.array_equal(got, expected)
-    # A Q5_0 file's weights load as Q8_0 blocks of the same values (q and k rows back in HF's order).
+    # A Q5_0 file's weights load as they are where the packed kernel serves Q5_0, else as Q8_0 blocks of the same
+    # values (q and k rows back in HF's order either way).
     path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.Q5_0.gguf", qtype="Q5_0")
     config = load_hf_config(tiny_model_dir)
     dense = dict(iter_gguf_weights(path, config, keep_quantized=False, progress=False))
-    served = dict(iter_gguf_weights(path, config, progress=False))
-    blocked = {n: v for n, v in served.items() if isinstance(v, QuantTensor)}
-    assert blocked and all(v.qtype == "Q8_0" for v in blocked.values())
-    for name, value in blocked.items():
-        assert torch.equal(reference_dequantize(value), dense[name]), name
+    for packed in (quant.packed_types(), frozenset()):
+        monkeypatch.setattr(gguf_weights, "packed_types", lambda served=packed: served)
+        blocked = {n: v for n, v in iter_gguf_weights(path, config, progress=False) if isinstance(v, QuantTensor)}
+        assert blocked and {v.qtype for v in blocked.values()} == {"Q5_0" if "Q5_0" in packed else "Q8_0"}
+        for name, value in blocked.items():
+            assert torch.equal(reference_dequantize(value), dense[name]), name
 
 
 def test_the_ggml_type_table_is_gguf_pys() -> None:

@@ -33,11 +33,17 @@ logger = logging.getLogger("radixserve.kernels")
 
 BLOCK = 32
 # ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q4_K's and Q6_K's blocks are 256
-# weights (``runtime/k_quants.py``), and only the packed kernel takes them.
-QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# weights (``runtime/k_quants.py``). Only the packed kernel takes the K-quants and the 5-bit types.
+QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q6_K": 14}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights and bytes per block
-ROW_KERNEL_TYPES = frozenset(BLOCK_BYTES)  # the types ``csrc/quant_linear.cpp`` (the row layout) computes with
+ROW_KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types ``csrc/quant_linear.cpp`` (the row layout) takes
+# Types whose packed kernel is newer than the others': one that disagrees with the definition here is not served
+# packed (the loader rewrites it as Q8_0), while the others still are.
+OPTIONAL_PACKED_TYPES = frozenset({"Q5_0", "Q5_1"})
+# The levels' offset of the types without a float one (weight = d * (q - offset)); Q4_1's and Q5_1's m is a float.
+LEVEL_OFFSET = {"Q4_0": 8, "Q5_0": 16}
+WITH_MIN = frozenset({"Q4_1", "Q5_1"})
 
 # Output channels per group of a packed weight (``QuantTensor.pack``).
 GROUP = 16
@@ -102,7 +108,7 @@ class QuantTensor:
     def pack(self) -> QuantTensor:
         """This weight in 16-channel groups where this CPU runs the packed kernel; else itself."""
         op = packed_ops()
-        if self.packed or op is None or self.data.device.type != "cpu":
+        if self.packed or op is None or self.data.device.type != "cpu" or self.qtype not in packed_types():
             return self
         data = op.pack(self.data.contiguous(), QTYPES[self.qtype], self.shape[1])
         return QuantTensor(self.qtype, data, self.shape, packed=True)
@@ -115,6 +121,8 @@ class QuantTensor:
         op = packed_ops()
         first = parts[0]
         if op is None or any(p.packed or p.data.device.type != "cpu" or p.qtype != first.qtype for p in parts):
+            return None
+        if first.qtype not in packed_types():
             return None
         if any(p.shape[0] % GROUP for p in parts[:-1]):
             return None
@@ -172,11 +180,24 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
     if w.qtype == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (d * q).reshape(n, k)
-    offset = 4 if w.qtype == "Q4_1" else 2
-    qs = blocks[..., offset:].to(torch.int16)
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, nb, 32]: low nibbles are weights 0..15
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float() if w.qtype == "Q4_1" else -8.0 * d
+    q = block_levels(blocks, w.qtype).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float() if w.qtype in WITH_MIN else -LEVEL_OFFSET[w.qtype] * d
     return (d * q + m).reshape(n, k)
+
+
+def block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The int16 levels ``[n, nb, 32]`` in weight order of 4-bit or 5-bit blocks (uint8 ``[n, nb, bytes]``), before
+    the offset: ggml's nibbles (byte i: weight i low, weight i + 16 high) and, for Q5_0 and Q5_1, the fifth bits
+    (bit i of a little-endian word after the scales: weight i's bit 4)."""
+    at = 4 if qtype in WITH_MIN else 2
+    five = qtype in ("Q5_0", "Q5_1")
+    qs = blocks[..., at + 4 if five else at :].to(torch.int16)
+    levels = torch.cat([qs & 15, qs >> 4], dim=-1)
+    if five:
+        qh = blocks[..., at : at + 4].to(torch.int64)
+        word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24  # [n, nb]
+        levels = levels | (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.int16)
+    return levels
 
 
 def activation_block(qtype: str) -> int:
@@ -192,9 +213,9 @@ def activation_block(qtype: str) -> int:
 def reference_linear(x: torch.Tensor, w: QuantTensor, act_block: int | None = None) -> torch.Tensor:
     """What the block kernel computes for float32 ``x`` [M, K] (the definition it is checked against): each row of
     x rounded to int8 per block of ``act_block`` inputs (default: ``activation_block(w.qtype)``; scale max|x| /
-    127), integer dot products with the weight's levels per block of 32, scaled by both blocks' scales; Q4_1's
-    offset times the sum of the rounded x block (so the result is exactly the dequantized weight times the rounded
-    x, as llama.cpp's Q8_1 activations make it)."""
+    127), integer dot products with the weight's levels per block of 32, scaled by both blocks' scales; Q4_1's and
+    Q5_1's offset times the sum of the rounded x block (so the result is exactly the dequantized weight times the
+    rounded x, as llama.cpp's Q8_1 activations make it)."""
     m, k = x.shape
     n, nb = w.shape[0], k // BLOCK
     act = activation_block(w.qtype) if act_block is None else act_block
@@ -222,11 +243,10 @@ def reference_linear(x: torch.Tensor, w: QuantTensor, act_block: int | None = No
     if w.qtype == "Q8_0":
         levels = blocks[..., 2:].contiguous().view(torch.int8).double()
     else:
-        qs = blocks[..., 4 if w.qtype == "Q4_1" else 2 :].to(torch.int16)
-        levels = torch.cat([qs & 15, qs >> 4], dim=-1).double() - (0 if w.qtype == "Q4_1" else 8)
+        levels = block_levels(blocks, w.qtype).double() - LEVEL_OFFSET.get(w.qtype, 0)
     dots = torch.einsum("mbj,nbj->mnb", qx.double(), levels)  # exact integers
     y = (dots * (dw[None] * dx.squeeze(-1)[:, None]).double()).sum(-1)
-    if w.qtype == "Q4_1":
+    if w.qtype in WITH_MIN:
         mw = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
         sx = qx.sum(-1).double() * dx.squeeze(-1).double()  # [m, nb]
         y = y + (sx[:, None, :] * mw[None].double()).sum(-1)
@@ -291,19 +311,29 @@ def quant_ops():  # noqa: ANN201 - the compiled module, or None
     return module
 
 
-@functools.cache
 def packed_ops():  # noqa: ANN201 - the compiled module, or None
     """The 16-channel-group kernels where this CPU has AVX-512 VNNI or AVX2 (with FMA and F16C; the build picks
-    one) and they agree with ``reference_linear`` (and the row layout's unpacking) on every block type and row
-    count 1-7; or ``None`` (weights keep their rows)."""
+    one) and they agree with ``reference_linear`` (and the row layout's unpacking) on every block type but the
+    optional ones and every row count 1-7; or ``None`` (weights keep their rows)."""
+    return _packed_checked()[0]
+
+
+def packed_types() -> frozenset[str]:
+    """The block types the packed kernel serves here (its check passed on them): empty without it."""
+    return _packed_checked()[1]
+
+
+@functools.cache
+def _packed_checked():  # noqa: ANN202 - (the module or None, the types it serves)
     kernels = load_kernels()
     if kernels is None or quant_ops() is None or not kernels.quant_packed.supported():
-        return None
+        return None, frozenset()
     module = kernels.quant_packed
     gen = torch.Generator().manual_seed(0)
+    served = set()
     with torch.inference_mode():
         for qtype in QTYPES:
-            k = 96 if qtype in ROW_KERNEL_TYPES else 512  # 3 blocks of 32; 2 super-blocks of 256
+            k = 96 if qtype not in SUPER_BLOCKS else 512  # 3 blocks of 32; 2 super-blocks of 256
             w = _random_blocks(qtype, 37, k, gen)
             code = QTYPES[qtype]
             data = module.pack(w.data, code, k)
@@ -318,10 +348,14 @@ def packed_ops():  # noqa: ANN201 - the compiled module, or None
             xb = x.to(torch.bfloat16)  # bfloat16 in, the float32 sums rounded once to bfloat16 out
             as_float = module.linear(xb.float(), data, code, k, 37)
             ok &= torch.equal(module.linear(xb, data, code, k, 37), as_float.to(xb.dtype))
-            if not ok:
+            if ok:
+                served.add(qtype)
+            elif qtype in OPTIONAL_PACKED_TYPES:
+                logger.warning("packed quantized-linear kernel disagrees with PyTorch on %s; not served packed", qtype)
+            else:
                 logger.warning("packed quantized-linear kernel disagrees with PyTorch on %s; keeping rows", qtype)
-                return None
-    return module
+                return None, frozenset()
+    return module, frozenset(served)
 
 
 def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTensor:
@@ -340,7 +374,7 @@ def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTen
         return ((torch.rand(n, nb, 1, generator=gen) - 0.5) * scale).to(torch.float16).view(torch.uint8)
 
     data[..., 0:2] = halves(0.1)
-    if qtype == "Q4_1":
+    if qtype in WITH_MIN:
         data[..., 2:4] = halves(1.0)
     return QuantTensor(qtype, data.reshape(n, nb * bs), (n, k))
 

@@ -13,11 +13,14 @@
 // the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit
 // quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its low nibble and
 // q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128 (unsigned, as
-// vpdpbusd wants its first operand). Q4_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
+// vpdpbusd wants its first operand). 5-bit (Q5_0, Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B
+// of fifth bits: byte 256 + 4 c + p holds at bit 2 j that of q[c][4 j + p] and at bit 2 j + 1 that of
+// q[c][16 + 4 j + p], so that each 64-byte run of nibbles takes its fifth bits from one register by a shift.
+// Q4_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
 //
 // The arithmetic is quant_linear.cpp's (activations rounded to int8 per block, integer dot products, one scale
-// per block): the levels' offsets (Q4_0's 8, Q8_0's 128) are taken off the integer sum exactly (offset times the
-// sum of the block's rounded activations), so Q8_0 and Q4_0 results are exact integers times dw * dx, and Q4_1 adds
+// per block): the levels' offsets (Q4_0's 8, Q5_0's 16, Q8_0's 128) are taken off the integer sum exactly (offset
+// times the sum of the block's rounded activations), so their results are exact integers times dw * dx; Q4_1 adds
 // m * dx * sum(qx). A row's result is the same whatever the other rows of its batch (same operations, same order).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -51,7 +54,6 @@
 namespace radixserve_quant_packed {
 namespace {
 
-using radixserve_quant_linear::block_bytes;
 using radixserve_quant_linear::fp16_to_float;
 using radixserve_quant_linear::load_u16;
 
@@ -81,9 +83,19 @@ constexpr int MAX_MR = 8;
 #else
 constexpr int MAX_MR = 6;
 #endif
-constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q4_K = 12, Q6_K = 14;
+constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q6_K = 14;
 // ggml's block_q4_K and block_q6_K: 256 weights each; a packed Q4_K keeps its 6-bit scales as bytes (148 B).
 constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q6_K_BYTES = 210;
+
+// Bytes of one channel's block of 32 weights, as ggml stores it (Q5_0: d, 4 bytes of fifth bits, 16 of nibbles;
+// Q5_1: d, m, then the same).
+int64_t block_bytes(int64_t type) {
+  if (type == Q5_0) return 22;
+  if (type == Q5_1) return 24;
+  return radixserve_quant_linear::block_bytes(type);
+}
+bool is_q5(int64_t type) { return type == Q5_0 || type == Q5_1; }
+bool has_offsets(int64_t type) { return type == Q4_1 || type == Q5_1; }  // weight = d q + m
 
 // Bytes of one channel's weights per block of 32 inputs... as a group row holds them: 16 channels' worth.
 int64_t group_block_bytes(int64_t type) {
@@ -93,20 +105,20 @@ int64_t group_block_bytes(int64_t type) {
 }
 int64_t weight_block(int64_t type) { return type == Q6_K || type == Q4_K ? 256 : QK; }  // K is a multiple of it
 
-int64_t header_bytes(int64_t type) { return type == Q4_1 ? 4 : 2; }
+int64_t header_bytes(int64_t type) { return has_offsets(type) ? 4 : 2; }
 int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes(type)); }  // per block of 32 inputs
 
-// Where block b's quants, scales and (Q4_1) offsets are in a group's row of nb blocks. Blocks go in runs of P
-// (the last run may be shorter): the run's quants, then its scales, then its offsets, P chosen so that a run is
-// whole cache lines (Q4_1: 320 B; Q8_0 and Q4_0 in pairs: 1,088 and 576 B) and every quant load is one line.
-// PP: blocks per run when the kernel's type fixes it (1 for Q4_1, 2 for Q8_0 and Q4_0), so that the inner loops
+// Where block b's quants, scales and (Q4_1, Q5_1) offsets are in a group's row of nb blocks. Blocks go in runs of
+// P (the last run may be shorter): the run's quants, then its scales, then its offsets, P chosen so that a run is
+// whole cache lines (Q4_1: 320 B, Q5_1: 384 B; Q8_0, Q4_0 and Q5_0 in pairs: 1,088, 576 and 704 B) and every quant
+// load is one line. PP: blocks per run when the kernel's type fixes it (1 with offsets, 2 without), so that the inner loops
 // find a block in a few adds (a division per block cost them an idiv each); 0: known at run time (packing).
 template <int64_t PP>
 struct RowT {
   const uint8_t* row;
   int64_t nb, qb, bs, p;
   RowT(const uint8_t* r, int64_t type, int64_t n)
-      : row(r), nb(n), qb(quant_bytes(type)), bs(G * block_bytes(type)), p(type == Q4_1 ? 1 : 2) {}
+      : row(r), nb(n), qb(quant_bytes(type)), bs(G * block_bytes(type)), p(has_offsets(type) ? 1 : 2) {}
   int64_t P() const { return PP ? PP : p; }
   int64_t run_start(int64_t b) const { return (b >> (P() - 1)) << (P() - 1); }  // P is 1 or 2
   const uint8_t* run(int64_t b) const { return row + run_start(b) * bs; }
@@ -132,11 +144,18 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
     for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(static_cast<int>(q[64 * (k / 4) + 4 * c + k % 4]) - 128);
     return;
   }
-  const float m = type == Q4_1 ? fp16_to_float(load_u16(row.offsets(b) + 2 * c)) : -8.0f * d;
+  const float m = has_offsets(type) ? fp16_to_float(load_u16(row.offsets(b) + 2 * c))
+                                     : (type == Q5_0 ? -16.0f : -8.0f) * d;
   for (int k = 0; k < QK / 2; ++k) {
     const uint8_t b = q[64 * (k / 4) + 4 * c + k % 4];
-    out[k] = d * (b & 15) + m;
-    out[k + QK / 2] = d * (b >> 4) + m;
+    int lo = b & 15, hi = b >> 4;
+    if (is_q5(type)) {  // the fifth bits (see the layout above)
+      const int bits = q[256 + 4 * c + k % 4] >> (2 * (k / 4));
+      lo |= (bits & 1) << 4;
+      hi |= (bits & 2) << 3;
+    }
+    out[k] = d * lo + m;
+    out[k + QK / 2] = d * hi + m;
   }
 }
 
@@ -152,6 +171,16 @@ inline void prefetch(const uint8_t* row, int64_t b, int64_t block) {
 #endif
 
 #ifdef RS_PACKED_512
+// Bit FROM of every byte of v at bit 4, the others cleared: a 16-bit lane shift by at most 4 left or 3 right
+// moves no other byte's bit to bit 4 (the 5-bit types' fifth bits, see the layout).
+template <int FROM>
+inline __m512i bit_to_4(__m512i v) {
+  const __m512i m = _mm512_set1_epi8(0x10);
+  if constexpr (FROM < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - FROM), m);
+  if constexpr (FROM > 4) return _mm512_and_si512(_mm512_srli_epi16(v, FROM - 4), m);
+  return _mm512_and_si512(v, m);
+}
+
 inline __m512 fp16x16_to_float(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -201,6 +230,24 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
 #endif
 
 #ifdef RS_PACKED_512
+// Run j of a block of 32 4-bit (or, with their fifth bits at bit 4, 5-bit) weights against MR rows of
+// activations (row r's block at x + r * stride): low levels into s0, high ones into s1.
+template <int64_t TYPE, int J, int MR>
+__attribute__((always_inline)) inline void nibble_run(const int8_t* x, int64_t stride, const uint8_t* q,
+                                                      __m512i fifth, __m512i* s0, __m512i* s1) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i raw = _mm512_loadu_si512(q + 64 * J);
+  __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    lo = _mm512_or_si512(lo, bit_to_4<2 * J>(fifth));
+    hi = _mm512_or_si512(hi, bit_to_4<2 * J + 1>(fifth));
+  }
+  for (int r = 0; r < MR; ++r) {
+    s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(x + r * stride + 4 * J));
+    s1[r] = _mm512_dpbusd_epi32(s1[r], hi, bcast4(x + r * stride + 16 + 4 * J));
+  }
+}
+
 // MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
 template <int64_t TYPE, int MR, typename T, typename R>
 void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
@@ -227,7 +274,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       mw = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
     } else {
       dw = fp16x16_to_float(row.scales(b));
-      if constexpr (TYPE == Q4_1) mw = fp16x16_to_float(row.offsets(b));
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mw = fp16x16_to_float(row.offsets(b));
     }
     const uint8_t* q = row.quants(b);
     __m512i s0[MR], s1[MR];
@@ -243,23 +290,23 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
         }
       }
     } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i raw = _mm512_loadu_si512(q + 64 * j);
-        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xq = a.q.data() + ((m0 + r) * nb + b) * QK;
-          s0[r] = _mm512_dpbusd_epi32(s0[r], lo, bcast4(xq + 4 * j));
-          s1_[r] = _mm512_dpbusd_epi32(s1_[r], hi, bcast4(xq + 16 + 4 * j));
-        }
-      }
+      [[maybe_unused]] const __m512i fifth = TYPE == Q5_0 || TYPE == Q5_1 ? _mm512_loadu_si512(q + 256) : low;
+      const int8_t* xq = a.q.data() + (m0 * nb + b) * QK;
+      nibble_run<TYPE, 0, MR>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 1, MR>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 2, MR>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 3, MR>(xq, nb * QK, q, fifth, s0, s1_);
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (m0 + r) * nb + b;
       __m512i s = TWO ? _mm512_add_epi32(s0[r], s1[r]) : s0[r];
       if constexpr (TYPE == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
+      if constexpr (TYPE == Q5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * a.qsum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if constexpr (TYPE == Q4_1 || TYPE == Q4_K) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum[i]), acc[r]);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K) {
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum[i]), acc[r]);
+      }
     }
   }
   store_rows<MR>(acc, y, m0, N, g);
@@ -405,17 +452,26 @@ void pack_into(torch::Tensor& out, int64_t g0, const torch::Tensor& w, int64_t t
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* q = const_cast<uint8_t*>(row.quants(b));
         uint8_t* scales = const_cast<uint8_t*>(row.scales(b));
-        uint8_t* offsets = type == Q4_1 ? const_cast<uint8_t*>(row.offsets(b)) : nullptr;
+        uint8_t* offsets = has_offsets(type) ? const_cast<uint8_t*>(row.offsets(b)) : nullptr;
         for (int c = 0; c < G && g * G + c < N; ++c) {
           const uint8_t* blk = src + ((g * G + c) * nb + b) * bs;
           std::memcpy(scales + 2 * c, blk, 2);
           if (offsets != nullptr) std::memcpy(offsets + 2 * c, blk + 2, 2);
-          const uint8_t* qs = blk + hb;
+          const uint8_t* qs = blk + hb + (is_q5(type) ? 4 : 0);
           if (type == Q8_0) {  // 4 weights a word, each flipped to unsigned
             for (int j = 0; j < QK / 4; ++j) store_u32(q + 64 * j + 4 * c, load_u32(qs + 4 * j) ^ 0x80808080u);
           } else {
             // ggml's qs[i] holds q[i] low and q[i + 16] high: the pairing of the packed bytes too.
             for (int j = 0; j < QK / 8; ++j) std::memcpy(q + 64 * j + 4 * c, qs + 4 * j, 4);
+          }
+          if (is_q5(type)) {  // ggml's qh: bit i of a little-endian word is q[i]'s fifth bit
+            const uint32_t qh = load_u32(blk + hb);
+            for (int p = 0; p < 4; ++p) {
+              uint32_t bits = 0;
+              for (int j = 0; j < 4; ++j)
+                bits |= ((qh >> (4 * j + p)) & 1u) << (2 * j) | ((qh >> (16 + 4 * j + p)) & 1u) << (2 * j + 1);
+              q[256 + 4 * c + p] = static_cast<uint8_t>(bits);
+            }
           }
         }
       }
@@ -519,6 +575,8 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
         switch (type) {
           case Q8_0: group_all<Q8_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
           case Q4_0: group_all<Q4_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+          case Q5_0: group_all<Q5_0>(a, m0, m1, K, RowT<2>(group, type, nb), N, g, yp); break;
+          case Q5_1: group_all<Q5_1>(a, m0, m1, K, RowT<1>(group, type, nb), N, g, yp); break;
           default: group_all<Q4_1>(a, m0, m1, K, RowT<1>(group, type, nb), N, g, yp); break;
         }
       }

@@ -7,8 +7,8 @@
 // A 256-bit register holds 8 channels' 4 weights, so a group is two halves of 8 channels. AVX2 has no vpdpbusd:
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
 // into the int32 lane of the channel. The int16 sums are exact while they cannot overflow: a 4-bit level times an
-// activation is at most 15 x 127, so a block's 8 pair sums add up in int16 and widen once (30,480 at most); Q6_K's
-// 6-bit levels widen every 2 (32,004); Q8_0's levels are signed, so each product takes |w| and x with w's sign
+// activation is at most 15 x 127, so a block's 8 pair sums add up in int16 and widen once (30,480 at most); 5-bit
+// levels (Q5_0, Q5_1) widen every 4 (31,496), Q6_K's 6-bit levels every 2 (32,004); Q8_0's levels are signed, so each product takes |w| and x with w's sign
 // (llama.cpp's trick; |w| <= 128, so a pair sum is at most 32,512) and widens at once.
 //
 // With one row of activations (decode) both halves run in one pass over the group's bytes; with more, one half at
@@ -87,6 +87,55 @@ __attribute__((always_inline)) inline void nibble_sums(const int8_t* x, int64_t 
   }
 }
 
+// Bit FROM of every byte of v at bit 4, the others cleared: a 16-bit lane shift by at most 4 left or 3 right
+// moves no other byte's bit to bit 4 (the 5-bit types' fifth bits, see quant_packed.cpp's layout).
+template <int FROM>
+inline __m256i bit_to_4(__m256i v) {
+  const __m256i m = _mm256_set1_epi8(0x10);
+  if constexpr (FROM < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - FROM), m);
+  if constexpr (FROM > 4) return _mm256_and_si256(_mm256_srli_epi16(v, FROM - 4), m);
+  return _mm256_and_si256(v, m);
+}
+
+// Run j (weights 4 j .. 4 j + 3 and 16 + 4 j .. 16 + 4 j + 3) of a block of 32 5-bit weights against MR rows: the
+// int16 pair sums p[NH * r + h] grow by its products (fifth: each half's fifth bits).
+template <int J, int MR, int NH>
+__attribute__((always_inline)) inline void fifth_run(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
+                                                     const __m256i* fifth, __m256i* p) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int h = 0; h < NH; ++h) {
+    const __m256i raw = load32(q + 64 * J + 32 * (h0 + h));
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), bit_to_4<2 * J>(fifth[h]));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), bit_to_4<2 * J + 1>(fifth[h]));
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = x + r * stride;
+      __m256i& pr = p[NH * r + h];
+      pr = add16(pr, _mm256_maddubs_epi16(lo, bcast4(xq + 4 * J)));
+      pr = add16(pr, _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * J)));
+    }
+  }
+}
+
+// One block of 32 5-bit weights (the nibbles and fifth bits of `q`, NH halves from h0) against MR rows: the int32
+// sums s[NH * r + h], the int16 pair sums widened after every two runs (the bound above).
+template <int MR, int NH>
+__attribute__((always_inline)) inline void fifth_sums(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
+                                                      __m256i* s) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i fifth[NH], p[MR * NH];
+  for (int h = 0; h < NH; ++h) fifth[h] = load32(q + 256 + 32 * (h0 + h));
+  for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
+  fifth_run<0, MR, NH>(x, stride, q, h0, fifth, p);
+  fifth_run<1, MR, NH>(x, stride, q, h0, fifth, p);
+  for (int i = 0; i < MR * NH; ++i) {
+    s[i] = _mm256_madd_epi16(p[i], ones);
+    p[i] = _mm256_setzero_si256();
+  }
+  fifth_run<2, MR, NH>(x, stride, q, h0, fifth, p);
+  fifth_run<3, MR, NH>(x, stride, q, h0, fifth, p);
+  for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+}
+
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
 // for the 32-weight types: s[NH * r + h] (int32 lane c: channel c's sum over the block's 32 weights).
 template <int64_t TYPE, int MR, int NH>
@@ -108,6 +157,8 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
         }
       }
     }
+  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    fifth_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, s);
   } else {
     __m256i p[MR * NH];
     nibble_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, p);
@@ -129,7 +180,7 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
     for (int h = 0; h < NH; ++h) {
       const int c = 8 * (h0 + h);  // the half's first channel in the group
       dw[h] = fp16x8_to_float(row.scales(b) + 2 * c);
-      if constexpr (TYPE == Q4_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
     }
     __m256i s[MR * NH];
     block_sums<TYPE, MR, NH>(a, m0, nb, b, row.quants(b), h0, s);
@@ -138,9 +189,10 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
       for (int h = 0; h < NH; ++h) {
         __m256i si = s[NH * r + h];
         if constexpr (TYPE == Q4_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(8 * a.qsum[i]));
+        if constexpr (TYPE == Q5_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(16 * a.qsum[i]));
         __m256& out = acc[NH * r + h];
         out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw[h], _mm256_set1_ps(a.d[i])), out);
-        if constexpr (TYPE == Q4_1) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
+        if constexpr (TYPE == Q4_1 || TYPE == Q5_1) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
       }
     }
   }
@@ -166,7 +218,7 @@ inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N
 
 // Rows [m0, m1) against group g: one row both halves in one pass; more rows MR at a time, half by half (a half
 // whose channels are all padding is skipped). MR: as many rows as keep their float and integer sums in the 16
-// registers beside the weights (4-bit types 6, Q8_0 5, Q6_K 4: its two sub-blocks' sums). Measured on Zen 3, one
+// registers beside the weights (4-bit types 6, Q8_0 5, Q6_K and the 5-bit types 4: two sums a row). Measured on Zen 3, one
 // thread, 16 and 256 rows of 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8, 5 level
 // with 6; Q8_0 5 within noise of 4.
 template <int64_t TYPE, typename T, typename R, typename A>
@@ -175,7 +227,7 @@ void group_all(const A& a, int64_t m0, int64_t m1, int64_t K, const R& row, int6
     halves_of<TYPE, 1, 2, T, R, A>(a, m0, K, row, N, g, 0, y, true);
     return;
   }
-  constexpr int MR = TYPE == Q6_K ? 4 : TYPE == Q8_0 ? 5 : 6;
+  constexpr int MR = TYPE == Q6_K || TYPE == Q5_0 || TYPE == Q5_1 ? 4 : TYPE == Q8_0 ? 5 : 6;
   for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R, A>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
