@@ -196,7 +196,7 @@ def block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     if five:
         qh = blocks[..., at : at + 4].to(torch.int64)
         word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24  # [n, nb]
-        levels = levels | (((word[..., None] >> torch.arange(32)) & 1) << 4).to(torch.int16)
+        levels = levels | (((word[..., None] >> torch.arange(32, device=word.device)) & 1) << 4).to(torch.int16)
     return levels
 
 
