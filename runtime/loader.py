@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -212,6 +214,17 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     return f"activations {str(dtype).removeprefix('torch.')}, weights {total / 2**20:.1f} MiB ({parts})"
 
 
+def return_freed_heap() -> None:
+    """Hand the heap that loading freed back to the OS (glibc's ``malloc_trim``; a no-op elsewhere).
+
+    Loading frees what it made on the way (float32 copies of re-quantized GGUF tensors, read buffers), and glibc
+    keeps such pages mapped for later use: they stayed resident as the engine's. SmolLM2-135M in ``Q5_K_M`` (16
+    Q5_K tensors re-quantized through float32): 213 MiB more resident after loading, 165 MiB once trimmed.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def load_model(
     config: EngineConfig,
     *,
@@ -257,6 +270,8 @@ def load_model(
                 if packer is not None:
                     packer.finish()
         prepack(model, keep_plain=config.keep_plain_weights)  # what is left: a tied head, --keep-plain-weights
+    if device.type == "cpu":
+        return_freed_heap()
     load_seconds = time.perf_counter() - load_start
     logger.info(
         "loaded %s (%s, %d layers) on %s in %.1fs: %s",
