@@ -38,9 +38,10 @@ QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q6
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights and bytes per block
 ROW_KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types ``csrc/quant_linear.cpp`` (the row layout) takes
+FIVE_BIT_TYPES = frozenset({"Q5_0", "Q5_1"})  # 4-bit nibbles plus a fifth bit per weight (ggml's qh)
 # Types whose packed kernel is newer than the others': one that disagrees with the definition here is not served
 # packed (the loader rewrites it as Q8_0), while the others still are.
-OPTIONAL_PACKED_TYPES = frozenset({"Q5_0", "Q5_1"})
+OPTIONAL_PACKED_TYPES = FIVE_BIT_TYPES
 # The levels' offset of the types without a float one (weight = d * (q - offset)); Q4_1's and Q5_1's m is a float.
 LEVEL_OFFSET = {"Q4_0": 8, "Q5_0": 16}
 WITH_MIN = frozenset({"Q4_1", "Q5_1"})
@@ -190,7 +191,7 @@ def block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     the offset: ggml's nibbles (byte i: weight i low, weight i + 16 high) and, for Q5_0 and Q5_1, the fifth bits
     (bit i of a little-endian word after the scales: weight i's bit 4)."""
     at = 4 if qtype in WITH_MIN else 2
-    five = qtype in ("Q5_0", "Q5_1")
+    five = qtype in FIVE_BIT_TYPES
     qs = blocks[..., at + 4 if five else at :].to(torch.int16)
     levels = torch.cat([qs & 15, qs >> 4], dim=-1)
     if five:
