@@ -36,18 +36,30 @@ Q8_0_BYTES = 34
 Q6_K_BYTES = 210
 # A Q4_K super-block in the packed layout (csrc/quant_packed_kquants.h): its 6-bit scales and minimums as bytes.
 Q4_K_PACKED_BYTES = 148
+Q5_K_BYTES = 176
+# A Q5_K super-block in the packed layout: Q4_K's, with 32 bytes of fifth bits.
+Q5_K_PACKED_BYTES = 180
 
 
-def q4_k_levels(data: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_k_levels(
+    data: torch.Tensor, n: int, k: int, *, five: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K rows (uint8 ``[n, k // 256 * 144]``) as their quants (int16 ``[n, k]``) and each sub-block of 32's
-    scale ``d * sc`` and offset ``dmin * m`` (float32 ``[n, k // 32]``, exact): weight = q * scale - offset."""
-    blocks = data.reshape(n, k // 256, Q4_K_BYTES)
+    scale ``d * sc`` and offset ``dmin * m`` (float32 ``[n, k // 32]``, exact): weight = q * scale - offset.
+    ``five``: Q5_K rows (``[n, k // 256 * 176]``, ggml's ``block_q5_K``: Q4_K's with ``qh[32]`` before the
+    nibbles, bit ``j`` of ``qh[l]`` the fifth bit of weight ``l`` of sub-block ``j``), 5-bit quants."""
+    blocks = data.reshape(n, k // 256, Q5_K_BYTES if five else Q4_K_BYTES)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    sc, m = (torch.from_numpy(v.astype(np.float32)) for v in _scale_min(blocks[..., 4:16].numpy()))
-    qs = blocks[..., 16:].to(torch.int16).reshape(n, -1, 4, 32)
-    quants = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k)  # sub-block 2r: low nibbles, 2r + 1: high
-    return quants, (d * sc).reshape(n, -1), (dmin * m).reshape(n, -1)
+    sc, m = (torch.from_numpy(v.astype(np.float32)) for v in _scale_min(blocks[..., 4:16].cpu().numpy()))
+    sc, m = sc.to(data.device), m.to(data.device)
+    qs = blocks[..., 48 if five else 16 :].to(torch.int16).reshape(n, -1, 4, 32)
+    quants = torch.stack([qs & 15, qs >> 4], dim=3)  # [n, ns, 4, 2, 32]: sub-block 2r low nibbles, 2r + 1 high
+    if five:
+        qh = blocks[..., 16:48].to(torch.int16)  # [n, ns, 32]
+        fifth = torch.stack([(qh >> j) & 1 for j in range(8)], dim=2)  # [n, ns, 8, 32]
+        quants = quants | (fifth.reshape(quants.shape) << 4)
+    return quants.reshape(n, k), (d * sc).reshape(n, -1), (dmin * m).reshape(n, -1)
 
 
 def q6_k_levels(data: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from tests.tiny_model import write_tiny_gguf
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1"]  # the row kernel's types
 FIVE_BIT = ["Q5_0", "Q5_1"]  # 32-weight blocks only the packed kernel takes
-PACKED_QTYPES = [*QTYPES, *FIVE_BIT, "Q4_K", "Q6_K"]
+PACKED_QTYPES = [*QTYPES, *FIVE_BIT, "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _gguf_blocks(qtype: str, w: np.ndarray) -> tuple[QuantTensor, np.ndarray]:
@@ -50,7 +50,7 @@ def _layout(blocks: QuantTensor, layout: str) -> QuantTensor:
         pytest.skip("neither AVX-512 VNNI nor AVX2 on this CPU: weights keep their rows")
     packed = blocks.pack()
     assert packed.packed, f"{blocks.qtype} is not served packed here: {sorted(quant.packed_types())}"
-    if blocks.qtype != "Q4_K":  # the same bytes, the last group padded
+    if blocks.qtype not in ("Q4_K", "Q5_K"):  # the same bytes, the last group padded
         assert packed.nbytes == -(-blocks.shape[0] // 16) * 16 * blocks.data.shape[1]
     return packed
 
@@ -244,7 +244,7 @@ def test_the_packed_kernel_is_used_where_the_cpu_has_avx512_vnni_or_avx2() -> No
             w.pack().rows(slice(0, 16))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_the_avx2_kernel_rounds_k_quant_activations_per_super_block(qtype: str) -> None:
     """On AVX2 (no AVX-512 VNNI) the K-quants' activations are rounded with one scale per 256 inputs, as llama.cpp's
     Q8_K rounds them; the kernel computes that definition, not the per-32 one (a row whose blocks differ in
@@ -454,6 +454,21 @@ def test_q5_0_blocks_become_q8_0_blocks_of_exactly_the_same_weights(
         assert blocked and {v.qtype for v in blocked.values()} == {"Q5_0" if "Q5_0" in packed else "Q8_0"}
         for name, value in blocked.items():
             assert torch.equal(reference_dequantize(value), dense[name]), name
+
+
+def test_q5_k_decodes_as_gguf_py_decodes_it() -> None:
+    """ggml's block_q5_K: Q4_K's scales and nibbles with a fifth bit per weight (qh), any bits, positive d and dmin."""
+    rng = np.random.default_rng(7)
+    rows, k = 6, 512
+    raw = rng.integers(0, 256, size=(rows, k // 256, 176), dtype=np.uint8)
+    for at in (0, 2):
+        raw[..., at : at + 2] = rng.uniform(1e-4, 0.01, size=(rows, k // 256, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K))
+    blocks = QuantTensor("Q5_K", torch.from_numpy(raw), (rows, k))
+    assert torch.equal(reference_dequantize(blocks), expected)
+    if "Q5_K" in quant.packed_types():
+        assert torch.equal(blocks.pack().dequantize(), expected)
 
 
 def test_the_ggml_type_table_is_gguf_pys() -> None:

@@ -27,21 +27,31 @@ import torch.nn.functional as F
 
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
-from radixserve.runtime.k_quants import Q4_K_BYTES, Q4_K_PACKED_BYTES, Q6_K_BYTES, q4_k_levels, q6_k_levels
+from radixserve.runtime.k_quants import (
+    Q4_K_BYTES,
+    Q4_K_PACKED_BYTES,
+    Q5_K_BYTES,
+    Q5_K_PACKED_BYTES,
+    Q6_K_BYTES,
+    q4_k_levels,
+    q6_k_levels,
+)
 
 logger = logging.getLogger("radixserve.kernels")
 
 BLOCK = 32
 # ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q4_K's and Q6_K's blocks are 256
 # weights (``runtime/k_quants.py``). Only the packed kernel takes the K-quants and the 5-bit types.
-QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q6_K": 14}
+QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
-SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights and bytes per block
+SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q5_K": (256, Q5_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights, bytes
+# Bytes per super-block in the packed layout where they differ from the file's (the 6-bit scales as bytes).
+PACKED_SUPER_BYTES = {"Q4_K": Q4_K_PACKED_BYTES, "Q5_K": Q5_K_PACKED_BYTES}
 ROW_KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types ``csrc/quant_linear.cpp`` (the row layout) takes
 FIVE_BIT_TYPES = frozenset({"Q5_0", "Q5_1"})  # 4-bit nibbles plus a fifth bit per weight (ggml's qh)
 # Types whose packed kernel is newer than the others': one that disagrees with the definition here is not served
 # packed (the loader rewrites it as Q8_0), while the others still are.
-OPTIONAL_PACKED_TYPES = FIVE_BIT_TYPES
+OPTIONAL_PACKED_TYPES = FIVE_BIT_TYPES | {"Q5_K"}
 # The levels' offset of the types without a float one (weight = d * (q - offset)); Q4_1's and Q5_1's m is a float.
 LEVEL_OFFSET = {"Q4_0": 8, "Q5_0": 16}
 WITH_MIN = frozenset({"Q4_1", "Q5_1"})
@@ -83,8 +93,8 @@ class QuantTensor:
         if self.qtype not in QTYPES:
             raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
         row = row_bytes(self.qtype, k)
-        # A packed Q4_K keeps its 6-bit scales and minimums as bytes: 148 bytes per 256 weights, not 144.
-        packed_row = k // 256 * Q4_K_PACKED_BYTES if self.qtype == "Q4_K" else row
+        # A packed Q4_K (Q5_K) keeps its 6-bit scales and minimums as bytes: 148 (180) bytes per 256 weights.
+        packed_row = k // 256 * PACKED_SUPER_BYTES[self.qtype] if self.qtype in PACKED_SUPER_BYTES else row
         want = (-(-n // GROUP), GROUP * packed_row) if self.packed else (n, row)
         if k % weight_block(self.qtype) or tuple(self.data.shape) != want:
             raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
@@ -173,8 +183,8 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
     if w.qtype == "Q6_K":
         levels, scales = q6_k_levels(w.data, n, k)
         return (levels.float().reshape(n, -1, 16) * scales[..., None]).reshape(n, k)
-    if w.qtype == "Q4_K":
-        quants, scales, offsets = q4_k_levels(w.data, n, k)
+    if w.qtype in ("Q4_K", "Q5_K"):
+        quants, scales, offsets = q4_k_levels(w.data, n, k, five=w.qtype == "Q5_K")
         return (quants.float().reshape(n, -1, 32) * scales[..., None] - offsets[..., None]).reshape(n, k)
     blocks = w.data.reshape(n, k // BLOCK, BLOCK_BYTES[w.qtype])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
@@ -233,8 +243,8 @@ def reference_linear(x: torch.Tensor, w: QuantTensor, act_block: int | None = No
         dots = torch.einsum("mhj,nhj->mnh", qx.reshape(m, -1, 16).double(), levels.reshape(n, -1, 16).double())
         per_half = dots * scales[None].double() * dx.squeeze(-1).repeat_interleave(2, dim=1)[:, None].double()
         return per_half.sum(-1).float()
-    if w.qtype == "Q4_K":  # Q4_1's arithmetic with the scale and offset of each sub-block of 32
-        quants, scales, offsets = q4_k_levels(w.data, n, k)
+    if w.qtype in ("Q4_K", "Q5_K"):  # Q4_1's arithmetic with the scale and offset of each sub-block of 32
+        quants, scales, offsets = q4_k_levels(w.data, n, k, five=w.qtype == "Q5_K")
         dots = torch.einsum("mbj,nbj->mnb", qx.double(), quants.reshape(n, nb, BLOCK).double())
         y = (dots * scales[None].double() * dx.squeeze(-1)[:, None].double()).sum(-1)
         sx = qx.sum(-1).double() * dx.squeeze(-1).double()
@@ -364,7 +374,7 @@ def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTen
     if qtype in SUPER_BLOCKS:  # any quants and sub-block scales; positive fp16 d (and Q4_K's dmin)
         size = SUPER_BLOCKS[qtype][1]
         data = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
-        for at in (0, 2) if qtype == "Q4_K" else (size - 2,):
+        for at in (0, 2) if qtype in PACKED_SUPER_BYTES else (size - 2,):
             scale = (torch.rand(n, k // 256, 1, generator=gen) * 0.01).to(torch.float16)
             data[..., at : at + 2] = scale.view(torch.uint8)
         return QuantTensor(qtype, data.reshape(n, -1), (n, k))

@@ -83,9 +83,11 @@ constexpr int MAX_MR = 8;
 #else
 constexpr int MAX_MR = 6;
 #endif
-constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q6_K = 14;
-// ggml's block_q4_K and block_q6_K: 256 weights each; a packed Q4_K keeps its 6-bit scales as bytes (148 B).
-constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q6_K_BYTES = 210;
+constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14;
+// ggml's block_q4_K, block_q5_K and block_q6_K: 256 weights each; a packed Q4_K (Q5_K) keeps its 6-bit scales as
+// bytes (148 B; 180 B).
+constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q5_K_BYTES = 176, Q5_K_PACKED = 180, Q6_K_BYTES = 210;
+constexpr bool is_kq(int64_t type) { return type == Q4_K || type == Q5_K; }  // scales and minimums per 32
 
 // Bytes of one channel's block of 32 weights, as ggml stores it (Q5_0: d, 4 bytes of fifth bits, 16 of nibbles;
 // Q5_1: d, m, then the same).
@@ -101,9 +103,10 @@ bool has_offsets(int64_t type) { return type == Q4_1 || type == Q5_1; }  // weig
 int64_t group_block_bytes(int64_t type) {
   if (type == Q6_K) return G * Q6_K_BYTES / 8;
   if (type == Q4_K) return G * Q4_K_PACKED / 8;
+  if (type == Q5_K) return G * Q5_K_PACKED / 8;
   return G * block_bytes(type);
 }
-int64_t weight_block(int64_t type) { return type == Q6_K || type == Q4_K ? 256 : QK; }  // K is a multiple of it
+int64_t weight_block(int64_t type) { return type == Q6_K || is_kq(type) ? 256 : QK; }  // K is a multiple of it
 
 int64_t header_bytes(int64_t type) { return has_offsets(type) ? 4 : 2; }
 int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes(type)); }  // per block of 32 inputs
@@ -127,6 +130,7 @@ struct RowT {
     return std::min(P(), nb - run_start(b));
   }
   const uint8_t* quants(int64_t b) const { return run(b) + (b & (P() - 1)) * qb; }
+  const uint8_t* fifth(int64_t b) const { return quants(b) + 256; }  // the 5-bit types'
   const uint8_t* scales(int64_t b) const { return run(b) + in_run(b) * qb + (b & (P() - 1)) * 2 * G; }
   const uint8_t* offsets(int64_t b) const { return run(b) + in_run(b) * (qb + 2 * G) + (b & (P() - 1)) * 2 * G; }
 };
@@ -217,7 +221,12 @@ void unpack_row(const uint8_t* group, int64_t type, int64_t nb, int c, float* ou
   }
   if (type == Q4_K) {
     const Q4KRow row(group);
-    for (int64_t b = 0; b < nb; ++b) unpack_channel_q4k(row, b, c, out + b * QK);
+    for (int64_t b = 0; b < nb; ++b) unpack_channel_kq(row, b, c, out + b * QK);
+    return;
+  }
+  if (type == Q5_K) {
+    const Q5KRow row(group);
+    for (int64_t b = 0; b < nb; ++b) unpack_channel_kq(row, b, c, out + b * QK);
     return;
   }
   const Row row(group, type, nb);
@@ -238,7 +247,7 @@ __attribute__((always_inline)) inline void nibble_run(const int8_t* x, int64_t s
   const __m512i low = _mm512_set1_epi8(15);
   const __m512i raw = _mm512_loadu_si512(q + 64 * J);
   __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-  if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+  if constexpr (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) {
     lo = _mm512_or_si512(lo, bit_to_4<2 * J>(fifth));
     hi = _mm512_or_si512(hi, bit_to_4<2 * J + 1>(fifth));
   }
@@ -263,7 +272,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
   for (int64_t b = 0; b < nb; ++b) {
     if (first) prefetch(row.row, b, block);
     __m512 dw, mw;
-    if constexpr (TYPE == Q4_K) {
+    if constexpr (is_kq(TYPE)) {
       if (b % 8 == 0) {
         d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
         dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.dmin(b))));
@@ -290,7 +299,8 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
         }
       }
     } else {
-      [[maybe_unused]] const __m512i fifth = TYPE == Q5_0 || TYPE == Q5_1 ? _mm512_loadu_si512(q + 256) : low;
+      [[maybe_unused]] const __m512i fifth =
+          TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K ? _mm512_loadu_si512(row.fifth(b)) : low;
       const int8_t* xq = a.q.data() + (m0 * nb + b) * QK;
       nibble_run<TYPE, 0, MR>(xq, nb * QK, q, fifth, s0, s1_);
       nibble_run<TYPE, 1, MR>(xq, nb * QK, q, fifth, s0, s1_);
@@ -304,7 +314,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
       if constexpr (TYPE == Q5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * a.qsum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || TYPE == Q4_K) {
+      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || is_kq(TYPE)) {
         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum[i]), acc[r]);
       }
     }
@@ -353,7 +363,7 @@ void check(const torch::Tensor& w, int64_t type, int64_t K, int64_t N) {
 // (quant_packed_avx2_q8k.h), else 32 (reference_linear's act_block).
 int64_t activation_block(int64_t type) {
 #ifdef RS_PACKED_AVX2
-  if (type == Q4_K || type == Q6_K) return 256;
+  if (is_kq(type) || type == Q6_K) return 256;
 #endif
   return QK;
 }
@@ -426,6 +436,7 @@ void pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out
 int64_t packed_row_bytes(int64_t type, int64_t K) {
   if (type == Q6_K) return K / 256 * G * Q6_K_BYTES;
   if (type == Q4_K) return K / 256 * G * Q4_K_PACKED;
+  if (type == Q5_K) return K / 256 * G * Q5_K_PACKED;
   return K / QK * G * block_bytes(type);
 }
 
@@ -439,7 +450,8 @@ void pack_into(torch::Tensor& out, int64_t g0, const torch::Tensor& w, int64_t t
   check_blocks(w, type, K);
   TORCH_CHECK(g0 + (w.size(0) + G - 1) / G <= out.size(0), "quant_packed: the output has too few groups");
   if (type == Q6_K) return pack_super(w, K, Q6_K_BYTES, Q6_K_BYTES, fill_q6, out, g0);
-  if (type == Q4_K) return pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_q4k, out, g0);
+  if (type == Q4_K) return pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_kq<false>, out, g0);
+  if (type == Q5_K) return pack_super(w, K, Q5_K_BYTES, Q5_K_PACKED, fill_kq<true>, out, g0);
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
   TORCH_CHECK(w.size(1) == nb * bs && out.size(1) == nb * G * bs, "quant_packed: K and block bytes disagree");
@@ -540,7 +552,7 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
   Acts a;
 #ifdef RS_PACKED_AVX2
   Acts256 a256;  // the K-quants' activations (quant_packed_avx2_q8k.h)
-  if (type == Q4_K || type == Q6_K) {
+  if (is_kq(type) || type == Q6_K) {
     quantize_rows_256(xp, M, K, a256);
   } else {
     quantize_rows(xp, M, K, a);
@@ -569,6 +581,10 @@ void linear_impl(const T* xp, int64_t M, int64_t K, const torch::Tensor& w, int6
         }
         if (type == Q4_K) {
           group_all<Q4_K>(kq_acts, m0, m1, K, Q4KRow(wp + g * stride), N, g, yp);
+          continue;
+        }
+        if (type == Q5_K) {
+          group_all<Q5_K>(kq_acts, m0, m1, K, Q5KRow(wp + g * stride), N, g, yp);
           continue;
         }
         const uint8_t* group = wp + g * stride;

@@ -116,24 +116,19 @@ __attribute__((always_inline)) inline void fifth_run(const int8_t* x, int64_t st
   }
 }
 
-// One block of 32 5-bit weights (the nibbles and fifth bits of `q`, NH halves from h0) against MR rows: the int32
-// sums s[NH * r + h], the int16 pair sums widened after every two runs (the bound above).
+// One block of 32 5-bit weights (the nibbles at q and the fifth bits at `bits`, NH halves from h0) against MR
+// rows: the int16 pair sums of runs 0-1 in p01[NH * r + h] and of runs 2-3 in p23 (each exact by the bound above;
+// the caller widens both).
 template <int MR, int NH>
-__attribute__((always_inline)) inline void fifth_sums(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
-                                                      __m256i* s) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i fifth[NH], p[MR * NH];
-  for (int h = 0; h < NH; ++h) fifth[h] = load32(q + 256 + 32 * (h0 + h));
-  for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
-  fifth_run<0, MR, NH>(x, stride, q, h0, fifth, p);
-  fifth_run<1, MR, NH>(x, stride, q, h0, fifth, p);
-  for (int i = 0; i < MR * NH; ++i) {
-    s[i] = _mm256_madd_epi16(p[i], ones);
-    p[i] = _mm256_setzero_si256();
-  }
-  fifth_run<2, MR, NH>(x, stride, q, h0, fifth, p);
-  fifth_run<3, MR, NH>(x, stride, q, h0, fifth, p);
-  for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones));
+__attribute__((always_inline)) inline void fifth_sums(const int8_t* x, int64_t stride, const uint8_t* q,
+                                                      const uint8_t* bits, int h0, __m256i* p01, __m256i* p23) {
+  __m256i fifth[NH];
+  for (int h = 0; h < NH; ++h) fifth[h] = load32(bits + 32 * (h0 + h));
+  for (int i = 0; i < MR * NH; ++i) p01[i] = p23[i] = _mm256_setzero_si256();
+  fifth_run<0, MR, NH>(x, stride, q, h0, fifth, p01);
+  fifth_run<1, MR, NH>(x, stride, q, h0, fifth, p01);
+  fifth_run<2, MR, NH>(x, stride, q, h0, fifth, p23);
+  fifth_run<3, MR, NH>(x, stride, q, h0, fifth, p23);
 }
 
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
@@ -158,7 +153,9 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
       }
     }
   } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
-    fifth_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, s);
+    __m256i p01[MR * NH], p23[MR * NH];
+    fifth_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, q + 256, h0, p01, p23);
+    for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_add_epi32(_mm256_madd_epi16(p01[i], ones), _mm256_madd_epi16(p23[i], ones));
   } else {
     __m256i p[MR * NH];
     nibble_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, p);
@@ -209,8 +206,8 @@ inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N
                       bool first) {
   if constexpr (TYPE == Q6_K) {
     half_rows_q6<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
-  } else if constexpr (TYPE == Q4_K) {
-    half_rows_q4k<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    half_rows_kq<MR, NH, T>(a, m0, K, row, N, g, h0, y, first);
   } else {
     half_rows<TYPE, MR, NH, T, R>(a, m0, K, row, N, g, h0, y, first);
   }
@@ -227,7 +224,7 @@ void group_all(const A& a, int64_t m0, int64_t m1, int64_t K, const R& row, int6
     halves_of<TYPE, 1, 2, T, R, A>(a, m0, K, row, N, g, 0, y, true);
     return;
   }
-  constexpr int MR = TYPE == Q6_K || TYPE == Q5_0 || TYPE == Q5_1 ? 4 : TYPE == Q8_0 ? 5 : 6;
+  constexpr int MR = TYPE == Q6_K || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K ? 4 : TYPE == Q8_0 ? 5 : 6;
   for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R, A>(a, m, K, row, N, g, h, y, h == 0 && m == m0);

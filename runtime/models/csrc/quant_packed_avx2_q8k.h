@@ -92,21 +92,28 @@ __attribute__((always_inline)) inline void each_super_block(int64_t ns, const Bl
   }
 }
 
-// MR rows against NH halves of a Q4_K group, starting at half h0 (as half_rows).
-template <int MR, int NH, typename T>
-void half_rows_q4k(const Acts256& a, int64_t m0, int64_t K, const Q4KRow& row, int64_t N, int64_t g, int h0, T* y,
-                   bool first) {
-  const int64_t ns = K / 256, block = G * Q4_K_PACKED / 8;
+// MR rows against NH halves of a Q4_K (Q5_K) group, starting at half h0 (as half_rows). Q5_K's 5-bit levels sum
+// in int16 over half a block at a time (quant_packed_avx2.h's bounds), each half scaled by the block's scale.
+template <int MR, int NH, typename T, bool FIVE>
+void half_rows_kq(const Acts256& a, int64_t m0, int64_t K, const KRowT<FIVE>& row, int64_t N, int64_t g, int h0,
+                  T* y, bool first) {
+  const int64_t ns = K / 256, block = KRowT<FIVE>::BYTES / 8;
   __m256 acc[MR * NH];
   for (int i = 0; i < MR * NH; ++i) acc[i] = _mm256_setzero_ps();
   const auto add_block = [&](int64_t b, __m256i* si) {
     if (first) prefetch(row.row, b, block);
-    __m256i p[MR * NH];
-    nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
+    __m256i p[MR * NH], p23[MR * NH];
+    if constexpr (FIVE) {
+      fifth_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), row.fifth(b), h0, p, p23);
+    } else {
+      nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
+    }
     for (int h = 0; h < NH; ++h) {
       const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
-      for (int r = 0; r < MR; ++r)
+      for (int r = 0; r < MR; ++r) {
         si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p[NH * r + h], sc));
+        if constexpr (FIVE) si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p23[NH * r + h], sc));
+      }
     }
   };
   const auto finish = [&](int64_t s, const __m256i* si) {

@@ -24,17 +24,23 @@ struct Q6Row {
 // Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,368 B =
 // 16 x 148: the blocks' quants as Q4_1's (8 x 256 B), the blocks' 6-bit scales and minimums as bytes (8 x 16 B
 // each), then the 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block
-// whose scale and offset are computed (exactly, in float32) instead of loaded.
-struct Q4KRow {
+// whose scale and offset are computed (exactly, in float32) instead of loaded. Q5_K (FIVE): 2,880 B = 16 x 180,
+// the blocks' fifth bits (8 x 64 B, laid out as Q5_0's, see quant_packed.cpp) right after their nibbles.
+template <bool FIVE>
+struct KRowT {
+  static constexpr int64_t F = FIVE ? 512 : 0, BYTES = FIVE ? G * Q5_K_PACKED : G * Q4_K_PACKED;
   const uint8_t* row;
-  explicit Q4KRow(const uint8_t* r) : row(r) {}
-  const uint8_t* base(int64_t b) const { return row + (b / 8) * G * Q4_K_PACKED; }
+  explicit KRowT(const uint8_t* r) : row(r) {}
+  const uint8_t* base(int64_t b) const { return row + (b / 8) * BYTES; }
   const uint8_t* quants(int64_t b) const { return base(b) + (b % 8) * 256; }
-  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + (b % 8) * 16; }
-  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + (b % 8) * 16; }
-  const uint8_t* d(int64_t b) const { return base(b) + 2304; }
-  const uint8_t* dmin(int64_t b) const { return base(b) + 2336; }
+  const uint8_t* fifth(int64_t b) const { return base(b) + 2048 + (b % 8) * 64; }  // FIVE only
+  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + F + (b % 8) * 16; }
+  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + F + (b % 8) * 16; }
+  const uint8_t* d(int64_t b) const { return base(b) + 2304 + F; }
+  const uint8_t* dmin(int64_t b) const { return base(b) + 2336 + F; }
 };
+using Q4KRow = KRowT<false>;
+using Q5KRow = KRowT<true>;
 
 // The 32 weights of channel c in block b of a Q6_K group row, as float32.
 void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
@@ -48,15 +54,22 @@ void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
   }
 }
 
-// The 32 weights of channel c in block b of a Q4_K group row, as float32.
-void unpack_channel_q4k(const Q4KRow& row, int64_t b, int c, float* out) {
+// The 32 weights of channel c in block b of a Q4_K (Q5_K) group row, as float32.
+template <bool FIVE>
+void unpack_channel_kq(const KRowT<FIVE>& row, int64_t b, int c, float* out) {
   const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scales(b)[c]);
   const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.mins(b)[c]);
   const uint8_t* q = row.quants(b);
   for (int k = 0; k < QK / 2; ++k) {
     const uint8_t v = q[64 * (k / 4) + 4 * c + k % 4];
-    out[k] = scale * (v & 15) - offset;
-    out[k + QK / 2] = scale * (v >> 4) - offset;
+    int lo = v & 15, hi = v >> 4;
+    if constexpr (FIVE) {
+      const int bits = row.fifth(b)[4 * c + k % 4] >> (2 * (k / 4));
+      lo |= (bits & 1) << 4;
+      hi |= (bits & 2) << 3;
+    }
+    out[k] = scale * lo - offset;
+    out[k + QK / 2] = scale * hi - offset;
   }
 }
 
@@ -108,10 +121,13 @@ void fill_q6(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
   std::memcpy(const_cast<uint8_t*>(base + 3328) + 2 * c, blk + 208, 2);
 }
 
-// One channel's Q4_K super-block into a group row (see Q4KRow), four weights per word operation.
-void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
-  const Q4KRow row(group);
-  const uint8_t *sc = blk + 4, *qs = blk + 16;
+// One channel's Q4_K (FIVE: Q5_K) super-block into a group row (see KRowT), four weights per word operation.
+// ggml's block_q5_K is block_q4_K's with qh[32] before the nibbles: bit j of qh[l] is the fifth bit of weight l of
+// sub-block j.
+template <bool FIVE>
+void fill_kq(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
+  const KRowT<FIVE> row(group);
+  const uint8_t *sc = blk + 4, *qh = blk + 16, *qs = blk + (FIVE ? 48 : 16);
   std::memcpy(const_cast<uint8_t*>(row.d(s * 8)) + 2 * c, blk, 2);
   std::memcpy(const_cast<uint8_t*>(row.dmin(s * 8)) + 2 * c, blk + 2, 2);
   for (int j = 0; j < 8; ++j) {
@@ -127,6 +143,15 @@ void fill_q4k(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
     for (int w = 0; w < 4; ++w) {
       const uint32_t lo = (load_u32(run + 4 * w) >> shift) & LOW4, hi = (load_u32(run + 16 + 4 * w) >> shift) & LOW4;
       store_u32(q + 64 * w + 4 * c, lo | (hi << 4));
+    }
+    if constexpr (FIVE) {  // the fifth-bit plane: byte 4 c + p, bit 2 w of weight 4 w + p, bit 2 w + 1 of 16 + 4 w + p
+      uint8_t* bits = const_cast<uint8_t*>(row.fifth(b)) + 4 * c;
+      for (int p = 0; p < 4; ++p) {
+        uint32_t v = 0;
+        for (int w = 0; w < 4; ++w)
+          v |= ((qh[4 * w + p] >> j) & 1u) << (2 * w) | ((qh[16 + 4 * w + p] >> j) & 1u) << (2 * w + 1);
+        bits[p] = static_cast<uint8_t>(v);
+      }
     }
   }
 }
