@@ -55,8 +55,8 @@ class EngineConfig:
     dtype: str = _opt("auto", "Weights and activations dtype.", ("auto", "float32", "bfloat16", "float16"))
     quantization: str = _opt(
         "auto",
-        "Weight format on CPU. auto: a GGUF's blocks are served as they are (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1, Q4_K "
-        "and Q6_K where the CPU runs the packed kernel; other types as Q8_0), other checkpoints in --dtype; none: "
+        "Weight format on CPU. auto: a GGUF's blocks are served as they are (Q8_0, Q4_0, Q4_1; Q5_0, Q5_1, Q4_K, "
+        "Q5_K and Q6_K where the CPU runs the packed kernel; other types as Q8_0), other checkpoints in --dtype; none: "
         "everything dequantized to --dtype (exact); "
         "int8 / int4: quantize a checkpoint's linear weights at load (Q8_0 / Q4_1 blocks of 32).",
         ("auto", "none", "int8", "int4"),

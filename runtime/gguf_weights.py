@@ -2,11 +2,11 @@
 
 ``iter_gguf_weights(path, config)`` yields ``(hf_name, tensor)`` like ``weights.iter_weights`` does for safetensors:
 a ``torch.Tensor`` for float tensors (F32, F16, BF16) and a ``quant.QuantTensor`` for Q8_0, Q4_0 and Q4_1, whose
-blocks the engine computes with directly. Q5_0, Q5_1, Q4_K and Q6_K stay as they are where the packed kernel serves
-them (AVX-512 VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks and Q5_0 blocks become Q8_0 blocks of
-exactly the same weights (``k_quants``). Other block types (Q5_K, IQ types, and Q5_1 and Q6_K without the packed
-kernel) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error far below theirs, and
-still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
+blocks the engine computes with directly. Q5_0, Q5_1, Q4_K, Q5_K and Q6_K stay as they are where the packed kernel
+serves them (AVX-512 VNNI or AVX2); elsewhere Q4_K's sub-blocks become Q4_1 blocks and Q5_0 blocks become Q8_0
+blocks of exactly the same weights (``k_quants``). Other block types (IQ types, Q2_K, Q3_K, and Q5_1, Q5_K and
+Q6_K without the packed kernel) are dequantized with gguf-py and re-quantized to Q8_0: 8.5 bits a weight, an error
+far below theirs, and still a quarter of float32. q and k rows come back in HF's rotary layout (GGUF stores
 llama.cpp's). Every tensor is copied out of the memory-mapped file, so the mapping can be dropped once loading is
 done and only the engine's copy stays resident.
 """

@@ -8,9 +8,10 @@ block with the same quants, ``d1 = d * sc`` and ``m1 = -dmin * m``, rounded once
 
 ``Q6_K`` (the head and half the ``ffn_down`` / ``attn_v`` of a ``Q4_K_M`` file) is served as it is where the packed
 kernel runs (``csrc/quant_packed.cpp``; ``q6_k_levels`` is its definition): 256 weights, fp16 ``d``, 16 int8 sub-block
-scales (16 weights each) and 6-bit quants; weight = ``d * scale * (q - 32)``. Elsewhere it, like ``Q5_K``, has no
-32-block twin among the row kernels' types, so ``gguf_weights`` dequantizes it and re-quantizes to Q8_0, 8.5 bits a
-weight.
+scales (16 weights each) and 6-bit quants; weight = ``d * scale * (q - 32)``. ``Q5_K`` (a ``Q5_K_M`` file) is
+``Q4_K`` with a fifth bit per weight, served as it is there too (``q4_k_levels(..., five=True)``). Elsewhere both
+have no 32-block twin among the row kernels' types, so ``gguf_weights`` dequantizes them and re-quantizes to Q8_0,
+8.5 bits a weight.
 
 ``Q5_0`` (what ``llama-quantize`` writes for the Q4_K tensors of a ``Q4_K_M`` mix whose rows are not a multiple of
 256 long, e.g. every 576-wide projection of SmolLM2-135M) is a block of 32: fp16 ``d``, 32 fifth bits ``qh`` and 4-bit

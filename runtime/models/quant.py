@@ -41,7 +41,7 @@ logger = logging.getLogger("radixserve.kernels")
 
 BLOCK = 32
 # ggml's type ids (what the kernels take) and bytes per block of 32 weights; Q4_K's and Q6_K's blocks are 256
-# weights (``runtime/k_quants.py``). Only the packed kernel takes the K-quants and the 5-bit types.
+# weights (``runtime/k_quants.py``), like Q5_K's. Only the packed kernel takes the K-quants and the 5-bit types.
 QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q5_K": (256, Q5_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights, bytes

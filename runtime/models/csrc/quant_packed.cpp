@@ -16,7 +16,7 @@
 // vpdpbusd wants its first operand). 5-bit (Q5_0, Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B
 // of fifth bits: byte 256 + 4 c + p holds at bit 2 j that of q[c][4 j + p] and at bit 2 j + 1 that of
 // q[c][16 + 4 j + p], so that each 64-byte run of nibbles takes its fifth bits from one register by a shift.
-// Q4_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
+// Q4_K, Q5_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
 //
 // The arithmetic is quant_linear.cpp's (activations rounded to int8 per block, integer dot products, one scale
 // per block): the levels' offsets (Q4_0's 8, Q5_0's 16, Q8_0's 128) are taken off the integer sum exactly (offset

@@ -1,4 +1,4 @@
-// The K-quants (Q4_K, Q6_K) on AVX2 with the activations rounded once per super-block of 256 (one scale, as
+// The K-quants (Q4_K, Q5_K, Q6_K) on AVX2 with the activations rounded once per super-block of 256 (one scale, as
 // llama.cpp's Q8_K rounds them for its K-quant dot products) instead of per block of 32. With one activation scale
 // for the 8 blocks of a super-block, the blocks' integer sums are scaled by their integer sub-block scales in the
 // integers (vpmaddwd, in place of the widening by ones) and the float work is done once per super-block: per row
@@ -8,7 +8,7 @@
 // int32 (Acts256::bpair, hpair), times the 6-bit minimums or the sub-block scales.
 //
 // Bounds: Q4_K: a block's int16 pair sums as in quant_packed_avx2.h (30,480 at most); times a scale <= 63, summed
-// over the super-block's 8 blocks: < 2^25. Q6_K: two j's of pair sums (32,004 at most) times |scale| <= 128, 4 of
+// over the super-block's 8 blocks: < 2^25. Q5_K: half a block's (31,496 at most), 16 halves: < 2^26. Q6_K: two j's of pair sums (32,004 at most) times |scale| <= 128, 4 of
 // them a block, 8 blocks: < 2^29. Activation sums: a block's at most 32 x 127 = 4,064, a half block's 2,032 (int16).
 // Included by quant_packed.cpp after quant_packed_avx2.h; not a stand-alone header.
 #pragma once
