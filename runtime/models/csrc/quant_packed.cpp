@@ -114,8 +114,9 @@ int64_t quant_bytes(int64_t type) { return G * (block_bytes(type) - header_bytes
 // Where block b's quants, scales and (Q4_1, Q5_1) offsets are in a group's row of nb blocks. Blocks go in runs of
 // P (the last run may be shorter): the run's quants, then its scales, then its offsets, P chosen so that a run is
 // whole cache lines (Q4_1: 320 B, Q5_1: 384 B; Q8_0, Q4_0 and Q5_0 in pairs: 1,088, 576 and 704 B) and every quant
-// load is one line. PP: blocks per run when the kernel's type fixes it (1 with offsets, 2 without), so that the inner loops
-// find a block in a few adds (a division per block cost them an idiv each); 0: known at run time (packing).
+// load is one line. PP: blocks per run when the kernel's type fixes it (1 with offsets, 2 without), so that the
+// inner loops find a block in a few adds (a division per block cost them an idiv each); 0: known at run time
+// (packing).
 template <int64_t PP>
 struct RowT {
   const uint8_t* row;

@@ -8,8 +8,9 @@
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 lanes, vpmaddwd by ones adds those pairs
 // into the int32 lane of the channel. The int16 sums are exact while they cannot overflow: a 4-bit level times an
 // activation is at most 15 x 127, so a block's 8 pair sums add up in int16 and widen once (30,480 at most); 5-bit
-// levels (Q5_0, Q5_1) widen every 4 (31,496), Q6_K's 6-bit levels every 2 (32,004); Q8_0's levels are signed, so each product takes |w| and x with w's sign
-// (llama.cpp's trick; |w| <= 128, so a pair sum is at most 32,512) and widens at once.
+// levels (Q5_0, Q5_1, Q5_K) widen every 4 (31,496), Q6_K's 6-bit levels every 2 (32,004); Q8_0's levels are
+// signed, so each product takes |w| and x with w's sign (llama.cpp's trick; |w| <= 128, so a pair sum is at most
+// 32,512) and widens at once.
 //
 // With one row of activations (decode) both halves run in one pass over the group's bytes; with more, one half at
 // a time (AVX2 has 16 vector registers: 2 halves x MR rows of float and int16 sums do not fit), the second pass
@@ -155,7 +156,9 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
   } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
     __m256i p01[MR * NH], p23[MR * NH];
     fifth_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, q + 256, h0, p01, p23);
-    for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_add_epi32(_mm256_madd_epi16(p01[i], ones), _mm256_madd_epi16(p23[i], ones));
+    for (int i = 0; i < MR * NH; ++i) {
+      s[i] = _mm256_add_epi32(_mm256_madd_epi16(p01[i], ones), _mm256_madd_epi16(p23[i], ones));
+    }
   } else {
     __m256i p[MR * NH];
     nibble_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, h0, p);
@@ -215,9 +218,9 @@ inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N
 
 // Rows [m0, m1) against group g: one row both halves in one pass; more rows MR at a time, half by half (a half
 // whose channels are all padding is skipped). MR: as many rows as keep their float and integer sums in the 16
-// registers beside the weights (4-bit types 6, Q8_0 5, Q6_K and the 5-bit types 4: two sums a row). Measured on Zen 3, one
-// thread, 16 and 256 rows of 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8, 5 level
-// with 6; Q8_0 5 within noise of 4.
+// registers beside the weights (4-bit types 6, Q8_0 5, Q6_K and the 5-bit types 4: two sums a row). Measured on
+// Zen 3, one thread, 16 and 256 rows of 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8,
+// 5 level with 6; Q8_0 5 within noise of 4; the 5-bit types 4, 5 and 6 level.
 template <int64_t TYPE, typename T, typename R, typename A>
 void group_all(const A& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
   if (m1 - m0 == 1) {

@@ -8,8 +8,9 @@
 // int32 (Acts256::bpair, hpair), times the 6-bit minimums or the sub-block scales.
 //
 // Bounds: Q4_K: a block's int16 pair sums as in quant_packed_avx2.h (30,480 at most); times a scale <= 63, summed
-// over the super-block's 8 blocks: < 2^25. Q5_K: half a block's (31,496 at most), 16 halves: < 2^26. Q6_K: two j's of pair sums (32,004 at most) times |scale| <= 128, 4 of
-// them a block, 8 blocks: < 2^29. Activation sums: a block's at most 32 x 127 = 4,064, a half block's 2,032 (int16).
+// over the super-block's 8 blocks: < 2^25. Q5_K: half a block's (31,496 at most), 16 halves: < 2^26. Q6_K: two
+// j's of pair sums (32,004 at most) times |scale| <= 128, 4 of them a block, 8 blocks: < 2^29. Activation sums: a
+// block's at most 32 x 127 = 4,064, a half block's 2,032 (int16).
 // Included by quant_packed.cpp after quant_packed_avx2.h; not a stand-alone header.
 #pragma once
 
@@ -112,7 +113,9 @@ void half_rows_kq(const Acts256& a, int64_t m0, int64_t K, const KRowT<FIVE>& ro
       const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
       for (int r = 0; r < MR; ++r) {
         si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p[NH * r + h], sc));
-        if constexpr (FIVE) si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p23[NH * r + h], sc));
+        if constexpr (FIVE) {
+          si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p23[NH * r + h], sc));
+        }
       }
     }
   };

@@ -1,7 +1,7 @@
 // The K-quants (Q4_K, Q5_K, Q6_K) in quant_packed.cpp's 16-channel groups: their layouts, how a channel unpacks,
 // how ggml's super-blocks are repacked, and Q6_K's kernel (Q4_K and Q5_K run quant_packed.cpp's 4-bit and 5-bit
-// kernels with computed scales). Included by quant_packed.cpp inside its namespace, after the helpers it uses (Acts, bcast4, prefetch,
-// store_rows); not a stand-alone header.
+// kernels with computed scales). Included by quant_packed.cpp inside its namespace, after the helpers it uses
+// (Acts, bcast4, prefetch, store_rows); not a stand-alone header.
 #pragma once
 
 // Q6_K in a group row: per super-block of 256 inputs (8 blocks of 32), 3,360 B = 16 x 210: the blocks' low
