@@ -13,7 +13,7 @@
 // the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit
 // quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its low nibble and
 // q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128 (unsigned, as
-// vpdpbusd wants its first operand). 5-bit (Q5_0, Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B
+// vpdpbusd wants its first operand), or in an AVX2 build q[c][4 j + p] itself (Q8_STORED_OFFSET). 5-bit (Q5_0, Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B
 // of fifth bits: byte 256 + 4 c + p holds at bit 2 j that of q[c][4 j + p] and at bit 2 j + 1 that of
 // q[c][16 + 4 j + p], so that each 64-byte run of nibbles takes its fifth bits from one register by a shift.
 // Q4_K, Q5_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
@@ -53,6 +53,18 @@
 
 namespace radixserve_quant_packed {
 namespace {
+
+// Q8_0's levels as a packed row stores them: w + 128 for AVX-512's vpdpbusd (unsigned first operand); AVX2's
+// kernel takes |w| and w's sign, so it stores w as it is and needs no flip back per load (one vector op fewer per
+// 4 weights x 8 channels, shared by a pass's rows).
+#ifdef RS_PACKED_AVX2
+constexpr int Q8_STORED_OFFSET = 0;
+#else
+constexpr int Q8_STORED_OFFSET = 128;
+#endif
+inline int q8_level(uint8_t stored) {
+  return Q8_STORED_OFFSET ? static_cast<int>(stored) - 128 : static_cast<int>(static_cast<int8_t>(stored));
+}
 
 using radixserve_quant_linear::fp16_to_float;
 using radixserve_quant_linear::load_u16;
@@ -146,7 +158,7 @@ void unpack_channel(const Row& row, int64_t b, int64_t type, int c, float* out) 
   const float d = fp16_to_float(load_u16(row.scales(b) + 2 * c));
   const uint8_t* q = row.quants(b);
   if (type == Q8_0) {
-    for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(static_cast<int>(q[64 * (k / 4) + 4 * c + k % 4]) - 128);
+    for (int k = 0; k < QK; ++k) out[k] = d * static_cast<float>(q8_level(q[64 * (k / 4) + 4 * c + k % 4]));
     return;
   }
   const float m = has_offsets(type) ? fp16_to_float(load_u16(row.offsets(b) + 2 * c))
@@ -471,8 +483,9 @@ void pack_into(torch::Tensor& out, int64_t g0, const torch::Tensor& w, int64_t t
           std::memcpy(scales + 2 * c, blk, 2);
           if (offsets != nullptr) std::memcpy(offsets + 2 * c, blk + 2, 2);
           const uint8_t* qs = blk + hb + (is_q5(type) ? 4 : 0);
-          if (type == Q8_0) {  // 4 weights a word, each flipped to unsigned
-            for (int j = 0; j < QK / 4; ++j) store_u32(q + 64 * j + 4 * c, load_u32(qs + 4 * j) ^ 0x80808080u);
+          if (type == Q8_0) {  // 4 weights a word, each flipped to unsigned where the kernel wants it
+            const uint32_t flip = Q8_STORED_OFFSET ? 0x80808080u : 0u;
+            for (int j = 0; j < QK / 4; ++j) store_u32(q + 64 * j + 4 * c, load_u32(qs + 4 * j) ^ flip);
           } else {
             // ggml's qs[i] holds q[i] low and q[i + 16] high: the pairing of the packed bytes too.
             for (int j = 0; j < QK / 8; ++j) std::memcpy(q + 64 * j + 4 * c, qs + 4 * j, 4);

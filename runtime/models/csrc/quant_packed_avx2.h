@@ -73,10 +73,11 @@ template <int MR, int NH>
 __attribute__((always_inline)) inline void nibble_sums(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
                                                        __m256i* p) {
   const __m256i low = _mm256_set1_epi8(15);
+  q += 32 * h0;  // the loads below at fixed offsets from one pointer (offsets of h0 took a register each)
   for (int i = 0; i < MR * NH; ++i) p[i] = _mm256_setzero_si256();
   for (int j = 0; j < 4; ++j) {
     for (int h = 0; h < NH; ++h) {
-      const __m256i raw = load32(q + 64 * j + 32 * (h0 + h));
+      const __m256i raw = load32(q + 64 * j + 32 * h);
       const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
       for (int r = 0; r < MR; ++r) {
         const int8_t* xq = x + r * stride;
@@ -101,11 +102,11 @@ inline __m256i bit_to_4(__m256i v) {
 // Run j (weights 4 j .. 4 j + 3 and 16 + 4 j .. 16 + 4 j + 3) of a block of 32 5-bit weights against MR rows: the
 // int16 pair sums p[NH * r + h] grow by its products (fifth: each half's fifth bits).
 template <int J, int MR, int NH>
-__attribute__((always_inline)) inline void fifth_run(const int8_t* x, int64_t stride, const uint8_t* q, int h0,
+__attribute__((always_inline)) inline void fifth_run(const int8_t* x, int64_t stride, const uint8_t* q,
                                                      const __m256i* fifth, __m256i* p) {
   const __m256i low = _mm256_set1_epi8(15);
   for (int h = 0; h < NH; ++h) {
-    const __m256i raw = load32(q + 64 * J + 32 * (h0 + h));
+    const __m256i raw = load32(q + 64 * J + 32 * h);
     const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), bit_to_4<2 * J>(fifth[h]));
     const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), bit_to_4<2 * J + 1>(fifth[h]));
     for (int r = 0; r < MR; ++r) {
@@ -124,12 +125,13 @@ template <int MR, int NH>
 __attribute__((always_inline)) inline void fifth_sums(const int8_t* x, int64_t stride, const uint8_t* q,
                                                       const uint8_t* bits, int h0, __m256i* p01, __m256i* p23) {
   __m256i fifth[NH];
+  q += 32 * h0;  // fixed offsets from one pointer (as nibble_sums)
   for (int h = 0; h < NH; ++h) fifth[h] = load32(bits + 32 * (h0 + h));
   for (int i = 0; i < MR * NH; ++i) p01[i] = p23[i] = _mm256_setzero_si256();
-  fifth_run<0, MR, NH>(x, stride, q, h0, fifth, p01);
-  fifth_run<1, MR, NH>(x, stride, q, h0, fifth, p01);
-  fifth_run<2, MR, NH>(x, stride, q, h0, fifth, p23);
-  fifth_run<3, MR, NH>(x, stride, q, h0, fifth, p23);
+  fifth_run<0, MR, NH>(x, stride, q, fifth, p01);
+  fifth_run<1, MR, NH>(x, stride, q, fifth, p01);
+  fifth_run<2, MR, NH>(x, stride, q, fifth, p23);
+  fifth_run<3, MR, NH>(x, stride, q, fifth, p23);
 }
 
 // One block's integer dot products of a half (8 channels at byte offset 32 h of each 64-byte run) with MR rows,
@@ -140,10 +142,11 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (TYPE == Q8_0) {
     for (int i = 0; i < MR * NH; ++i) s[i] = _mm256_setzero_si256();
+    const uint8_t* qh = q + 32 * h0;  // fixed offsets from one pointer (as nibble_sums)
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       for (int h = 0; h < NH; ++h) {
-        const __m256i w = _mm256_xor_si256(load32(q + 64 * j + 32 * (h0 + h)), _mm256_set1_epi8(-128));
+        const __m256i w = load32(qh + 64 * j + 32 * h);  // signed levels (Q8_STORED_OFFSET)
         const __m256i aw = _mm256_abs_epi8(w);  // -128 -> 0x80, which vpmaddubsw reads as 128
         for (int r = 0; r < MR; ++r) {
           const __m256i x = bcast4(a.q.data() + ((m0 + r) * nb + b) * QK + 4 * j);
