@@ -121,10 +121,9 @@ inline int32_t hsum8(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// e^x for x <= 0 (softmax numerators), as the AVX-512 exp computes it, 2^n built in the exponent bits (AVX2 has
-// no scalef). Below -87 the result is e^-87 (~1e-38: nothing beside a row's largest term, 1); a NaN stays NaN.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // (max returns its second operand for a NaN)
+// e^x for -87 <= x <= 88 (others: the caller's clamp), as the AVX-512 exp computes it, 2^n built in the exponent
+// bits (AVX2 has no scalef; n stays within a normal float's exponents).
+inline __m256 exp_in_range(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
   r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
@@ -132,6 +131,12 @@ inline __m256 exp_nonpositive(__m256 x) {
   for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_TAYLOR[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// e^x for x <= 0 (softmax numerators). Below -87 the result is e^-87 (~1e-38: nothing beside a row's largest term,
+// 1); a NaN stays NaN.
+inline __m256 exp_nonpositive(__m256 x) {
+  return exp_in_range(_mm256_max_ps(_mm256_set1_ps(-87.0f), x));  // (max returns its second operand for a NaN)
 }
 
 }  // namespace radixserve_simd

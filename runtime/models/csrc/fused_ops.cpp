@@ -175,6 +175,31 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
         store_n(orow + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load_n(ur + i, n)), n);
       }
       continue;
+#elif defined(__AVX2__) && defined(__FMA__)
+      // As the scalar loop below, 8 at a time, with the AVX-512 path's e^x (std::exp one element at a time was
+      // ~2.5% of a 16-row decode step of a 1B model on two Zen 3 cores). -g is clamped to [-87, 80]: e^-87 beside
+      // 1 and e^80 (g / den ~ -80 / 5.5e34, then -0 after the product) are what the exact values round to.
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = radixserve_simd::load8(gr + i);
+        // (max and min return their second operand for a NaN: a NaN stays NaN)
+        const __m256 neg = _mm256_min_ps(_mm256_set1_ps(80.0f),
+                                         _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), radixserve_simd::exp_in_range(neg));
+        const __m256 v = _mm256_mul_ps(_mm256_div_ps(gv, den), radixserve_simd::load8(ur + i));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(orow + i, v);
+        } else {
+          alignas(32) float tmp[8];
+          _mm256_store_ps(tmp, v);
+          for (int k = 0; k < 8; ++k) orow[i + k] = T(tmp[k]);
+        }
+      }
+      for (; i < I; ++i) {
+        const float gv = f32(gr[i]);
+        orow[i] = T(gv / (1.0f + std::exp(-gv)) * f32(ur[i]));
+      }
+      continue;
 #endif
       for (int64_t i = 0; i < I; ++i) {
         const float gv = f32(gr[i]);
