@@ -221,16 +221,17 @@ inline void halves_of(const A& a, int64_t m0, int64_t K, const R& row, int64_t N
 
 // Rows [m0, m1) against group g: one row both halves in one pass; more rows MR at a time, half by half (a half
 // whose channels are all padding is skipped). MR: as many rows as keep their float and integer sums in the 16
-// registers beside the weights (4-bit types 6, Q8_0 5, Q6_K and the 5-bit types 4: two sums a row). Measured on
-// Zen 3, one thread, 16 and 256 rows of 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8,
-// 5 level with 6; Q8_0 5 within noise of 4; the 5-bit types 4, 5 and 6 level.
+// registers beside the weights (6; Q6_K 4: two sums a row). Measured on Zen 3, one thread, 16 and 256 rows of
+// 2048 x 8192 and 8192 x 2048: 4-bit 6 rows 5-15% faster than 4 and than 8, 5 level with 6. Q8_0 and the 5-bit
+// types were 5 and 4 while a half's load offsets took registers (block_sums); since they load at fixed offsets,
+// 6 rows run them 1-8% faster (16 rows: 3 passes instead of 4).
 template <int64_t TYPE, typename T, typename R, typename A>
 void group_all(const A& a, int64_t m0, int64_t m1, int64_t K, const R& row, int64_t N, int64_t g, T* y) {
   if (m1 - m0 == 1) {
     halves_of<TYPE, 1, 2, T, R, A>(a, m0, K, row, N, g, 0, y, true);
     return;
   }
-  constexpr int MR = TYPE == Q6_K || TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K ? 4 : TYPE == Q8_0 ? 5 : 6;
+  constexpr int MR = TYPE == Q6_K ? 4 : 6;
   for (int h = 0; h < 2 && g * G + 8 * h < N; ++h) {
     int64_t m = m0;
     for (; m + MR <= m1; m += MR) halves_of<TYPE, MR, 1, T, R, A>(a, m, K, row, N, g, h, y, h == 0 && m == m0);
