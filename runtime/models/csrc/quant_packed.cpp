@@ -87,7 +87,7 @@ int64_t tile_bytes() {
   return bytes;
 }
 // Rows a kernel call keeps in registers: AVX-512's 32 registers hold 8 rows' sums; AVX2's 16 hold 4 to 6 of one
-// half (group_all there picks per type: 6 for the 4-bit types). Tiles are a multiple of MAX_MR rows: on AVX2 a
+// half (group_all there picks per type: 6, Q6_K 4). Tiles are a multiple of MAX_MR rows: on AVX2 a
 // multiple of 4 left a 4-row pass in every 16-row tile of a K = 8192 product (Q4_K at 1,024 rows, one thread:
 // 107-108 GFLOP/s with multiples of 4, 114-118 with multiples of 6, means of 3 alternating runs).
 #ifdef RS_PACKED_512
