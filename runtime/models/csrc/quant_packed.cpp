@@ -13,9 +13,10 @@
 // the weights stream through memory in one pass: a layout with all scales after all quants was slower). 4-bit
 // quants of block b: byte 64 j + 4 c + p (j < 4, c < 16, p < 4) holds q[c][4 j + p] in its low nibble and
 // q[c][16 + 4 j + p] in its high one. 8-bit: byte 64 j + 4 c + p (j < 8) is q[c][4 j + p] + 128 (unsigned, as
-// vpdpbusd wants its first operand), or in an AVX2 build q[c][4 j + p] itself (Q8_STORED_OFFSET). 5-bit (Q5_0, Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B
-// of fifth bits: byte 256 + 4 c + p holds at bit 2 j that of q[c][4 j + p] and at bit 2 j + 1 that of
-// q[c][16 + 4 j + p], so that each 64-byte run of nibbles takes its fifth bits from one register by a shift.
+// vpdpbusd wants its first operand), or in an AVX2 build q[c][4 j + p] itself (Q8_STORED_OFFSET). 5-bit (Q5_0,
+// Q5_1): the 4-bit layout of the levels' low 4 bits, then 64 B of fifth bits: byte 256 + 4 c + p holds at bit 2 j
+// that of q[c][4 j + p] and at bit 2 j + 1 that of q[c][16 + 4 j + p], so that each 64-byte run of nibbles takes
+// its fifth bits from one register by a shift.
 // Q4_K, Q5_K and Q6_K keep ggml's 256-weight super-blocks: quant_packed_kquants.h.
 //
 // The arithmetic is quant_linear.cpp's (activations rounded to int8 per block, integer dot products, one scale
