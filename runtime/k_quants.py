@@ -113,17 +113,27 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def nibble_levels(blocks: torch.Tensor, at: int, five: bool) -> torch.Tensor:
+    """The int16 levels ``[..., 32]`` in weight order of ggml's blocks of 32 4-bit or 5-bit weights (uint8 ``[...,
+    bytes]``; their nibbles from byte ``at``, or from ``at + 4`` after the fifth bits), before any offset: byte i of
+    the nibbles holds weight i low and weight i + 16 high; with ``five``, bit i of the little-endian word at ``at``
+    is weight i's bit 4 (Q5_0, Q5_1)."""
+    qs = blocks[..., at + 4 if five else at :].to(torch.int16)
+    levels = torch.cat([qs & 15, qs >> 4], dim=-1)
+    if five:  # weight i's bit: bit i % 8 of byte i // 8 (little-endian), in uint8 throughout
+        i = torch.arange(32, device=blocks.device)
+        bits = (blocks[..., at : at + 4][..., i // 8] >> (i % 8).to(torch.uint8)) & 1
+        levels = levels | (bits.to(torch.int16) << 4)
+    return levels
+
+
 def q5_0_to_q8_0(raw: np.ndarray) -> np.ndarray:
-    """``raw``: uint8 ``[rows, n_blocks * 22]`` Q5_0 bytes (ggml's ``block_q5_0``: ``d`` fp16, ``qh`` a little-endian
-    uint32 whose bit i is weight i's fifth bit, ``qs[16]`` with weight i in the low nibble of byte i and weight
-    i + 16 in its high nibble); returns uint8 ``[rows, n_blocks * 34]`` Q8_0 bytes of exactly the same weights."""
+    """``raw``: uint8 ``[rows, n_blocks * 22]`` Q5_0 bytes (ggml's ``block_q5_0``: ``d`` fp16, ``qh``, ``qs[16]``;
+    see ``nibble_levels``); returns uint8 ``[rows, n_blocks * 34]`` Q8_0 bytes of exactly the same weights."""
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q5_0_BYTES)
     out = np.empty((rows, blocks.shape[1], Q8_0_BYTES), np.uint8)
     out[..., 0:2] = blocks[..., 0:2]
-    qh = blocks[..., 2:6].copy().view("<u4")  # [rows, nb, 1]
-    fifth = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # [rows, nb, 32]
-    qs = blocks[..., 6:]
-    levels = np.concatenate([qs & 15, qs >> 4], axis=-1) | fifth  # q in [0, 31], weight order
-    out[..., 2:] = (levels.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    levels = nibble_levels(torch.from_numpy(blocks), 2, five=True) - 16  # q in [0, 31] -> [-16, 15]
+    out[..., 2:] = levels.to(torch.int8).numpy().view(np.uint8)
     return out.reshape(rows, -1)

@@ -33,6 +33,7 @@ from radixserve.runtime.k_quants import (
     Q5_K_BYTES,
     Q5_K_PACKED_BYTES,
     Q6_K_BYTES,
+    nibble_levels,
     q4_k_levels,
     q6_k_levels,
 )
@@ -198,17 +199,8 @@ def reference_dequantize(w: QuantTensor) -> torch.Tensor:
 
 def block_levels(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """The int16 levels ``[n, nb, 32]`` in weight order of 4-bit or 5-bit blocks (uint8 ``[n, nb, bytes]``), before
-    the offset: ggml's nibbles (byte i: weight i low, weight i + 16 high) and, for Q5_0 and Q5_1, the fifth bits
-    (bit i of a little-endian word after the scales: weight i's bit 4)."""
-    at = 4 if qtype in WITH_MIN else 2
-    five = qtype in FIVE_BIT_TYPES
-    qs = blocks[..., at + 4 if five else at :].to(torch.int16)
-    levels = torch.cat([qs & 15, qs >> 4], dim=-1)
-    if five:
-        qh = blocks[..., at : at + 4].to(torch.int64)
-        word = qh[..., 0] | qh[..., 1] << 8 | qh[..., 2] << 16 | qh[..., 3] << 24  # [n, nb]
-        levels = levels | (((word[..., None] >> torch.arange(32, device=word.device)) & 1) << 4).to(torch.int16)
-    return levels
+    the offset (``k_quants.nibble_levels`` after the block's scales)."""
+    return nibble_levels(blocks, 4 if qtype in WITH_MIN else 2, qtype in FIVE_BIT_TYPES)
 
 
 def activation_block(qtype: str) -> int:
