@@ -109,8 +109,9 @@ int64_t block_bytes(int64_t type) {
   if (type == Q5_1) return 24;
   return radixserve_quant_linear::block_bytes(type);
 }
-bool is_q5(int64_t type) { return type == Q5_0 || type == Q5_1; }
-bool has_offsets(int64_t type) { return type == Q4_1 || type == Q5_1; }  // weight = d q + m
+constexpr bool is_q5(int64_t type) { return type == Q5_0 || type == Q5_1; }
+constexpr bool has_fifth_bits(int64_t type) { return is_q5(type) || type == Q5_K; }  // 5-bit levels
+constexpr bool has_offsets(int64_t type) { return type == Q4_1 || type == Q5_1; }  // weight = d q + m
 
 // Bytes of one channel's weights per block of 32 inputs... as a group row holds them: 16 channels' worth.
 int64_t group_block_bytes(int64_t type) {
@@ -261,7 +262,7 @@ __attribute__((always_inline)) inline void nibble_run(const int8_t* x, int64_t s
   const __m512i low = _mm512_set1_epi8(15);
   const __m512i raw = _mm512_loadu_si512(q + 64 * J);
   __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-  if constexpr (TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K) {
+  if constexpr (has_fifth_bits(TYPE)) {
     lo = _mm512_or_si512(lo, bit_to_4<2 * J>(fifth));
     hi = _mm512_or_si512(hi, bit_to_4<2 * J + 1>(fifth));
   }
@@ -297,7 +298,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       mw = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
     } else {
       dw = fp16x16_to_float(row.scales(b));
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mw = fp16x16_to_float(row.offsets(b));
+      if constexpr (has_offsets(TYPE)) mw = fp16x16_to_float(row.offsets(b));
     }
     const uint8_t* q = row.quants(b);
     __m512i s0[MR], s1[MR];
@@ -314,7 +315,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       }
     } else {
       [[maybe_unused]] const __m512i fifth =
-          TYPE == Q5_0 || TYPE == Q5_1 || TYPE == Q5_K ? _mm512_loadu_si512(row.fifth(b)) : low;
+          has_fifth_bits(TYPE) ? _mm512_loadu_si512(row.fifth(b)) : low;
       const int8_t* xq = a.q.data() + (m0 * nb + b) * QK;
       nibble_run<TYPE, 0, MR>(xq, nb * QK, q, fifth, s0, s1_);
       nibble_run<TYPE, 1, MR>(xq, nb * QK, q, fifth, s0, s1_);
@@ -328,7 +329,7 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
       if constexpr (TYPE == Q5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * a.qsum[i]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i])), acc[r]);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1 || is_kq(TYPE)) {
+      if constexpr (has_offsets(TYPE) || is_kq(TYPE)) {
         acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sum[i]), acc[r]);
       }
     }

@@ -156,7 +156,7 @@ __attribute__((always_inline)) inline void block_sums(const Acts& a, int64_t m0,
         }
       }
     }
-  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+  } else if constexpr (is_q5(TYPE)) {
     __m256i p01[MR * NH], p23[MR * NH];
     fifth_sums<MR, NH>(a.q.data() + (m0 * nb + b) * QK, nb * QK, q, q + 256, h0, p01, p23);
     for (int i = 0; i < MR * NH; ++i) {
@@ -183,7 +183,7 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
     for (int h = 0; h < NH; ++h) {
       const int c = 8 * (h0 + h);  // the half's first channel in the group
       dw[h] = fp16x8_to_float(row.scales(b) + 2 * c);
-      if constexpr (TYPE == Q4_1 || TYPE == Q5_1) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
+      if constexpr (has_offsets(TYPE)) mw[h] = fp16x8_to_float(row.offsets(b) + 2 * c);
     }
     __m256i s[MR * NH];
     block_sums<TYPE, MR, NH>(a, m0, nb, b, row.quants(b), h0, s);
@@ -195,7 +195,7 @@ void half_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, in
         if constexpr (TYPE == Q5_0) si = _mm256_sub_epi32(si, _mm256_set1_epi32(16 * a.qsum[i]));
         __m256& out = acc[NH * r + h];
         out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), _mm256_mul_ps(dw[h], _mm256_set1_ps(a.d[i])), out);
-        if constexpr (TYPE == Q4_1 || TYPE == Q5_1) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
+        if constexpr (has_offsets(TYPE)) out = _mm256_fmadd_ps(mw[h], _mm256_set1_ps(a.sum[i]), out);
       }
     }
   }
