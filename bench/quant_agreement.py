@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,6 +88,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows.append(["radixserve blocks vs llama-server F32", *agreement(q, lf)])
     print(f"# greedy agreement, {args.prompts} prompts x {args.tokens} tokens, {args.model}")
     print(format_table(["pair", "prompts identical", "mean share before first difference"], rows))
+    if len(rows) > 1:
+        print(paired(q, f, lq, lf))
+
+
+def paired(q: list[list[int]], f: list[list[int]], lq: list[list[int]], lf: list[list[int]]) -> str:
+    """McNemar's test on the prompts that come out identical: the same prompts for both systems, so only those
+    where exactly one of them agrees with its float32 run tell them apart. |z| < 2 is within sampling noise."""
+    ours_only = sum(a == b and c != d for a, b, c, d in zip(q, f, lq, lf))
+    theirs_only = sum(a != b and c == d for a, b, c, d in zip(q, f, lq, lf))
+    z = (ours_only - theirs_only) / math.sqrt(ours_only + theirs_only) if ours_only + theirs_only else 0.0
+    return f"prompts identical for radixserve only: {ours_only}, for llama.cpp only: {theirs_only}; z = {z:+.2f}"
 
 
 if __name__ == "__main__":

@@ -375,3 +375,27 @@ def test_a_packed_linear_layer_calls_the_kernel_as_quant_linear_does(
         x = torch.randn(rows, 64, generator=gen).to(dtype)
         assert torch.equal(lin(x), quant.linear(x, lin.quant, lin.bias))
     assert (lin._direct is not None) == lin.qpacked
+
+
+@pytest.mark.parametrize("layout", ["rows", "packed"])
+@torch.inference_mode()
+def test_a_head_in_blocks_picks_the_dequantized_weights_own_leader(layout: str) -> None:
+    """The kernel's int8 activations swap near-tied leaders; ``exact_leaders`` recomputes each row's leading
+    logits from the dequantized rows, so greedy decoding follows the float32 run of the same blocks."""
+    from radixserve.runtime.models.llama import HEAD_LEADERS, exact_leaders
+
+    gen = torch.Generator().manual_seed(9)
+    # A vocabulary of 3,000 random rows: among 128 rows of x a few leaders lie within the kernel's rounding of
+    # the runner-up, as near-ties of a real vocabulary do.
+    w = _layout(quantize_q8_0(torch.randn(3000, 96, generator=gen)), layout)
+    x = torch.randn(128, 96, generator=gen)
+    kernel = quant.linear(x, w)
+    exact = x @ w.dequantize().T
+    assert (kernel.argmax(-1) != exact.argmax(-1)).any()  # the case this is for happens here
+    bias = torch.randn(3000, generator=gen)
+    got = exact_leaders(kernel + bias, x, w, bias)
+    assert torch.equal(got.argmax(-1), (exact + bias).argmax(-1))
+    top = (kernel + bias).topk(HEAD_LEADERS, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), (exact + bias).gather(-1, top), rtol=1e-5, atol=1e-5)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(got[rest], (kernel + bias)[rest])  # only the leaders change
