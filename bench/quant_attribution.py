@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MethodType
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from bench.common import format_table
 from bench.quant_agreement import agreement, ours, prompts
+from radixserve.runtime.attention.base import ForwardContext
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.models import quant
@@ -37,7 +38,7 @@ def make_exact(model: nn.Module, names: list[str], phase: str) -> int:
     step = {"phase": ""}
     run_model = model.forward
 
-    def forward(self: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
+    def forward(self: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         step["phase"] = "prefill" if ctx.meta.extends else "decode"  # a mixed step counts as prefill
         return run_model(input_ids, positions, ctx)
 
@@ -53,7 +54,9 @@ def make_exact(model: nn.Module, names: list[str], phase: str) -> int:
         dense = torch.cat([p.dequantize() for p in parts])
         kernel = module.forward
 
-        def exact(self: Linear, x: torch.Tensor, dense: torch.Tensor = dense, kernel=kernel) -> torch.Tensor:  # noqa: ANN001
+        def exact(
+            self: Linear, x: torch.Tensor, dense: torch.Tensor = dense, kernel: Callable[..., torch.Tensor] = kernel
+        ) -> torch.Tensor:
             if phase != "any" and step["phase"] != phase:
                 return kernel(x)
             return F.linear(x.float(), dense, None if self.bias is None else self.bias.float()).to(x.dtype)

@@ -210,12 +210,11 @@ def exact_leaders(
 
     The block kernel rounds its activations to int8 per block of 32, which moves a logit by ~0.5% of its size:
     enough to swap two near-tied leaders, and a greedy token then differs from the dequantized weights' own
-    argmax. The true leader is among the kernel's first few (their gaps are far larger than that error), so
-    recomputing those few gives the exact argmax (and exact top log-probs) for ``HEAD_LEADERS`` x K
-    multiply-adds a row, against V x K for the whole head. SmolLM2's Q4_1 file, 512 prompts x 32 greedy tokens
+    argmax. The true leader is among the kernel's first ``HEAD_LEADERS`` unless that many logits lie within that
+    error of it, so recomputing those few gives the exact argmax (and exact leading logits) for ``HEAD_LEADERS``
+    x K multiply-adds a row, against V x K for the whole head. SmolLM2's Q4_1 file, 512 prompts x 32 greedy tokens
     against its float32 dequantization (``bench.quant_agreement``): 0.41 -> 0.47-0.48 of the prompts identical."""
     k = min(HEAD_LEADERS, logits.shape[-1])
-    lead = logits.shape[:-1]
     flat, x = logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1]).double()
     top = flat.topk(k, dim=-1).indices  # [rows, k]
     rows = quant.embedding(top, w)  # [rows, k, K] float32, only these rows unpacked
@@ -225,7 +224,7 @@ def exact_leaders(
     if bias is not None:
         exact = exact + bias.double()[top]
     flat.scatter_(-1, top, exact.to(flat.dtype))
-    return flat.reshape(*lead, -1)
+    return flat.reshape(logits.shape)
 
 
 class LlamaForCausalLM(nn.Module):
