@@ -15,10 +15,11 @@ import asyncio
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
+from torch import nn
 
 from bench import llamacpp_peer as llama
 from bench.common import format_table, make_workload
@@ -33,9 +34,14 @@ def prompts(tokenizer: object, n: int, seed: int = 5) -> list[list[int]]:
     return [r.prompt_ids for r in make_workload(tokenizer, n, (24, 96), (1, 1), seed)]
 
 
-def ours(model: str, quantization: str, ids: list[list[int]], n_out: int) -> list[list[int]]:
+def ours(
+    model: str, quantization: str, ids: list[list[int]], n_out: int, prepare: Callable[[nn.Module], None] | None = None
+) -> list[list[int]]:
+    """Greedy outputs of radixserve, float32 activations; ``prepare`` may alter the loaded model first."""
     engine = Engine(model=model, device="cpu", dtype="float32", quantization=quantization, max_total_tokens=16384)
     try:
+        if prepare is not None:
+            prepare(engine.core.runner.model)
         params = SamplingParams(max_new_tokens=n_out, temperature=0.0, ignore_eos=True)
         return [r["output_ids"] for r in engine.generate(input_ids=ids, sampling_params=params)]
     finally:

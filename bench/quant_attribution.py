@@ -24,11 +24,9 @@ from torch import nn
 from bench.common import format_table
 from bench.quant_agreement import agreement, ours, prompts
 from radixserve.runtime.attention.base import ForwardContext
-from radixserve.runtime.engine import Engine
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.models import quant
 from radixserve.runtime.models.linear import Linear
-from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.runtime.weights import load_tokenizer
 
 
@@ -66,15 +64,9 @@ def make_exact(model: nn.Module, names: list[str], phase: str) -> int:
     return chosen
 
 
-def served(model: str, ids: list[list[int]], n_out: int, names: list[str], phase: str) -> list[list[int]]:
-    engine = Engine(model=model, device="cpu", dtype="float32", quantization="auto", max_total_tokens=16384)
-    try:
-        if names and not make_exact(engine.core.runner.model, names, phase):
-            raise SystemExit(f"no quantized layer matches {names}")
-        params = SamplingParams(max_new_tokens=n_out, temperature=0.0, ignore_eos=True)
-        return [r["output_ids"] for r in engine.generate(input_ids=ids, sampling_params=params)]
-    finally:
-        engine.shutdown()
+def chosen(model: nn.Module, names: list[str], phase: str) -> None:
+    if names and not make_exact(model, names, phase):
+        raise SystemExit(f"no quantized layer matches {names}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -91,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     for choice in ["", *args.exact]:
         names = [n for n in choice.split(",") if n]
-        got = served(args.model, ids, args.tokens, names, args.phase)
+        got = ours(args.model, "auto", ids, args.tokens, lambda m, names=names: chosen(m, names, args.phase))
         rows.append([", ".join(names) or "none (as served)", *agreement(got, reference)])
     print(f"# greedy agreement with the float32 run, {args.prompts} prompts x {args.tokens} tokens, {args.model}, "
           f"float32 layers in {args.phase} steps")  # fmt: skip
