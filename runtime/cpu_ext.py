@@ -48,11 +48,13 @@ RUNTIME = Path(__file__).resolve().parent
 SOURCES = (
     RUNTIME / "csrc" / "module.cpp",
     RUNTIME / "csrc" / "simd.h",
+    RUNTIME / "csrc" / "greedy.cpp",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "attention" / "csrc" / "extend_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed_kquants.h",
+    RUNTIME / "models" / "csrc" / "huge_slabs.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2_q8k.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",

@@ -15,6 +15,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
+from radixserve.runtime.greedy import argmax_checked
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
@@ -117,8 +118,8 @@ class ModelRunner:
         if fast:
             # Every sampled row is plain greedy: the step's one host sync reads tokens and checks together.
             logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], n_rows)])
-            tokens = logits[:, : self.sampler.vocab_size].argmax(dim=-1)
-            flags = torch.cat([hidden_ok.long(), self._finite(logits), tokens]).tolist()
+            picked = argmax_checked(logits, self.sampler.vocab_size)  # logits checks, then tokens
+            flags = torch.cat([hidden_ok.long(), picked]).tolist()
             return self._greedy_result(n, candidates, flags)
 
         # The general path: the checks first (one transfer for both), then prompt log-probs, drafts and sampling.

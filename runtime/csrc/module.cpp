@@ -9,6 +9,7 @@
 #include "../models/csrc/fused_ops.cpp"
 #include "../models/csrc/quant_linear.cpp"
 #include "../models/csrc/quant_packed.cpp"
+#include "greedy.cpp"
 // After the kernels it calls.
 #include "../models/csrc/decode_stack.cpp"
 
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   register_bf16_linear(m);
   register_decode_stack(m);
+  register_greedy(m);
 }

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.runtime.attention.base import AttnOptions, ForwardContext
+from radixserve.runtime.greedy import top_indices
 from radixserve.runtime.models import decode_stack, fused, loading, quant
 from radixserve.runtime.models.args import ModelArgs
 from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES, checkpoint_names
@@ -216,7 +217,7 @@ def exact_leaders(
     against its float32 dequantization (``bench.quant_agreement``): 0.41 -> 0.47-0.48 of the prompts identical."""
     k = min(HEAD_LEADERS, logits.shape[-1])
     flat, x = logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1]).double()
-    top = flat.topk(k, dim=-1).indices  # [rows, k]
+    top = top_indices(flat, k)  # [rows, k]
     rows = quant.embedding(top, w)  # [rows, k, K] float32, only these rows unpacked
     # Summed in float64, each row on its own: the float32 result then never depends on what shares the batch
     # (a batched GEMM may block the sums differently for different batch sizes).

@@ -36,10 +36,10 @@
 #include <type_traits>
 #include <vector>
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include "../../csrc/simd.h"
+#include "huge_slabs.h"
 
 // RS_PACKED: this build has a packed kernel, RS_PACKED_512 (AVX-512 VNNI) or RS_PACKED_AVX2.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -391,22 +391,14 @@ bool supported() {
 #endif
 }
 
-// A packed weight's memory. Decode streams every weight once a step: with 2 MB pages where the OS gives them
-// (transparent huge pages in "madvise" mode), the stream takes no TLB miss every 4 KB. All linear layers of the 1B
-// Llama (Q4_K_M, one row, 2-core AMD EPYC): 29.3 ms a pass against 31.7 ms on 4 KB pages. The packers write every
-// byte of a group whose 16 channels exist, so only a padded last group (N not a multiple of 16) is zeroed here:
-// its missing channels then have zero scales and quants. The pages are first touched by the packing threads.
+// A packed weight's memory, in the huge-page slabs of huge_slabs.h (decode streams every weight once a step: on 2
+// MB pages the stream takes no TLB miss every 4 KB; all linear layers of the 1B Llama, Q4_K_M, one row, 2-core AMD
+// EPYC: 29.3 ms a pass against 31.7 ms on 4 KB pages, when each weight was advised on its own). The packers write
+// every byte of a group whose 16 channels exist, so only a padded last group (N not a multiple of 16) is zeroed
+// here: its missing channels then have zero scales and quants. The pages are first touched by the packing threads.
 torch::Tensor packed_groups(int64_t groups, int64_t row, int64_t N) {
-  auto out = torch::empty({groups, row}, torch::dtype(torch::kUInt8));
-  uint8_t* p = out.data_ptr<uint8_t>();
-  const int64_t bytes = groups * row;
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t huge = 2u << 20;
-  const uintptr_t start = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(huge - 1);
-  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-#endif
-  if (N % G != 0) std::memset(p + (groups - 1) * row, 0, row);
+  auto out = radixserve_huge_slabs::slabs().empty(groups, row);
+  if (N % G != 0) std::memset(out.data_ptr<uint8_t>() + (groups - 1) * row, 0, row);
   return out;
 }
 
