@@ -54,6 +54,8 @@ SOURCES = (
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed.cpp",
     RUNTIME / "models" / "csrc" / "quant_packed_kquants.h",
+    RUNTIME / "models" / "csrc" / "quant_packed_512.h",
+    RUNTIME / "models" / "csrc" / "quant_packed_pack.h",
     RUNTIME / "models" / "csrc" / "huge_slabs.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2_q8k.h",

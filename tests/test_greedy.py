@@ -96,3 +96,5 @@ def test_the_kernels_refuse_what_they_cannot_read(ops) -> None:
         ops.top_indices(x, 11)
     with pytest.raises(RuntimeError, match="rows contiguous"):
         ops.top_indices(x.t(), 2)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_checked(x.half(), 5)

@@ -94,6 +94,24 @@ void top_row(const T* x, int64_t n, int64_t k, int64_t* idx) {
 
 void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_cpu() && x.stride(1) == 1, what, ": x [rows, columns] on the CPU, rows contiguous");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, what,
+              ": x float32 or bfloat16");
+}
+
+// fn(row r's values, r) for every row of x, in x's dtype, rows split over the intra-op threads.
+template <typename F>
+void each_row(const torch::Tensor& x, const F& fn) {
+  const int64_t stride = x.stride(0);
+  auto run = [&](const auto* p) {
+    at::parallel_for(0, x.size(0), 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) fn(p + r * stride, r);
+    });
+  };
+  if (x.scalar_type() == torch::kBFloat16) {
+    run(x.data_ptr<bf16>());
+  } else {
+    run(x.data_ptr<float>());
+  }
 }
 
 }  // namespace
@@ -106,25 +124,10 @@ torch::Tensor argmax_checked(const torch::Tensor& x, int64_t n) {
   TORCH_CHECK(n > 0 && n <= M, "argmax_checked: 0 < n <= columns");
   auto out = torch::empty({2 * B}, torch::dtype(torch::kInt64));
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t stride = x.stride(0);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "argmax_checked",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       const float* p = x.data_ptr<float>();
-                       at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {
-                         for (int64_t b = b0; b < b1; ++b) {
-                           const auto [at, ok] = argmax_row(p + b * stride, n, M);
-                           o[b] = ok, o[B + b] = at;
-                         }
-                       });
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       const bf16* p = x.data_ptr<bf16>();
-                       at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {
-                         for (int64_t b = b0; b < b1; ++b) {
-                           const auto [at, ok] = argmax_row(p + b * stride, n, M);
-                           o[b] = ok, o[B + b] = at;
-                         }
-                       });
-                     }));
+  each_row(x, [&](const auto* row, int64_t b) {
+    const auto [at, ok] = argmax_row(row, n, M);
+    o[b] = ok, o[B + b] = at;
+  });
   return out;
 }
 
@@ -135,19 +138,7 @@ torch::Tensor top_indices(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(k > 0 && k <= std::min<int64_t>(V, 64), "top_indices: 0 < k <= min(columns, 64)");
   auto out = torch::empty({R, k}, torch::dtype(torch::kInt64));
   int64_t* o = out.data_ptr<int64_t>();
-  const int64_t stride = x.stride(0);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "top_indices",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       const float* p = x.data_ptr<float>();
-                       at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-                         for (int64_t r = r0; r < r1; ++r) top_row(p + r * stride, V, k, o + r * k);
-                       });
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       const bf16* p = x.data_ptr<bf16>();
-                       at::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
-                         for (int64_t r = r0; r < r1; ++r) top_row(p + r * stride, V, k, o + r * k);
-                       });
-                     }));
+  each_row(x, [&](const auto* row, int64_t r) { top_row(row, V, k, o + r * k); });
   return out;
 }
 
