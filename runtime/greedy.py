@@ -34,7 +34,8 @@ def argmax_checked(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 ``[R, k]``: the indices of each row's ``k`` largest values (``0 < k <= min(V, 64)``), largest first."""
+    """int64 ``[R, k]``: the indices of each row's ``k`` largest values (``0 < k <= V``; the kernel takes k <= 64),
+    largest first."""
     ops = _kernel_rows(x) if k <= 64 else None
     if ops is not None:
         return ops.top_indices(x, k)
