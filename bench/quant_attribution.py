@@ -64,7 +64,7 @@ def make_exact(model: nn.Module, names: list[str], phase: str) -> int:
     return chosen
 
 
-def chosen(model: nn.Module, names: list[str], phase: str) -> None:
+def exact_or_exit(model: nn.Module, names: list[str], phase: str) -> None:
     if names and not make_exact(model, names, phase):
         raise SystemExit(f"no quantized layer matches {names}")
 
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     for choice in ["", *args.exact]:
         names = [n for n in choice.split(",") if n]
-        got = ours(args.model, "auto", ids, args.tokens, lambda m, names=names: chosen(m, names, args.phase))
+        got = ours(args.model, "auto", ids, args.tokens, lambda m, names=names: exact_or_exit(m, names, args.phase))
         rows.append([", ".join(names) or "none (as served)", *agreement(got, reference)])
     print(f"# greedy agreement with the float32 run, {args.prompts} prompts x {args.tokens} tokens, {args.model}, "
           f"float32 layers in {args.phase} steps")  # fmt: skip
