@@ -35,11 +35,7 @@ Q4_1_BYTES = 20
 Q5_0_BYTES = 22
 Q8_0_BYTES = 34
 Q6_K_BYTES = 210
-# A Q4_K super-block in the packed layout (csrc/quant_packed_kquants.h): its 6-bit scales and minimums as bytes.
-Q4_K_PACKED_BYTES = 148
 Q5_K_BYTES = 176
-# A Q5_K super-block in the packed layout: Q4_K's, with 32 bytes of fifth bits.
-Q5_K_PACKED_BYTES = 180
 
 
 def q4_k_levels(

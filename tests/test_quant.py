@@ -164,7 +164,7 @@ def test_q4_k_is_served_as_it_is_by_the_packed_kernel() -> None:
     if quant.packed_ops() is None:
         pytest.skip("no packed kernel on this CPU")
     packed = _layout(blocks, "packed")
-    assert packed.nbytes == 5 * 16 * 2 * 148  # 16 bytes a super-block more than ggml's 144: scales as bytes
+    assert packed.nbytes == 5 * 16 * 2 * 144  # ggml's 144 bytes a super-block: nothing widened
     assert torch.equal(packed.dequantize(), dense)
     assert torch.equal(quant.embedding(torch.tensor([66, 0]), packed), dense[[66, 0]])
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(9))

@@ -29,9 +29,7 @@ from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
 from radixserve.runtime.k_quants import (
     Q4_K_BYTES,
-    Q4_K_PACKED_BYTES,
     Q5_K_BYTES,
-    Q5_K_PACKED_BYTES,
     Q6_K_BYTES,
     nibble_levels,
     q4_k_levels,
@@ -46,8 +44,6 @@ BLOCK = 32
 QTYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 SUPER_BLOCKS = {"Q4_K": (256, Q4_K_BYTES), "Q5_K": (256, Q5_K_BYTES), "Q6_K": (256, Q6_K_BYTES)}  # weights, bytes
-# Bytes per super-block in the packed layout where they differ from the file's (the 6-bit scales as bytes).
-PACKED_SUPER_BYTES = {"Q4_K": Q4_K_PACKED_BYTES, "Q5_K": Q5_K_PACKED_BYTES}
 ROW_KERNEL_TYPES = frozenset({"Q8_0", "Q4_0", "Q4_1"})  # the types ``csrc/quant_linear.cpp`` (the row layout) takes
 FIVE_BIT_TYPES = frozenset({"Q5_0", "Q5_1"})  # 4-bit nibbles plus a fifth bit per weight (ggml's qh)
 # Types whose packed kernel is newer than the others': one that disagrees with the definition here is not served
@@ -78,8 +74,8 @@ def row_bytes(qtype: str, k: int) -> int:
 class QuantTensor:
     """A ``[N, K]`` weight in blocks: ``data`` is uint8 ``[N, row_bytes(qtype, K)]``, rows as ggml writes them; or,
     ``packed``, ``[ceil(N / 16), 16 * row_bytes(qtype, K)]``: groups of 16 channels interleaved for the packed
-    kernel (the same bytes, the last group padded; Q4_K's scales as bytes, 148 per 256 weights), made by
-    ``pack`` once the weight is final (row slicing, merging and permuting need the row layout)."""
+    kernel (as many bytes, the last group padded), made by ``pack`` once the weight is final (row slicing, merging
+    and permuting need the row layout)."""
 
     qtype: str
     data: torch.Tensor
@@ -94,9 +90,7 @@ class QuantTensor:
         if self.qtype not in QTYPES:
             raise ValueError(f"unsupported block type {self.qtype}; supported: {', '.join(QTYPES)}")
         row = row_bytes(self.qtype, k)
-        # A packed Q4_K (Q5_K) keeps its 6-bit scales and minimums as bytes: 148 (180) bytes per 256 weights.
-        packed_row = k // 256 * PACKED_SUPER_BYTES[self.qtype] if self.qtype in PACKED_SUPER_BYTES else row
-        want = (-(-n // GROUP), GROUP * packed_row) if self.packed else (n, row)
+        want = (-(-n // GROUP), GROUP * row) if self.packed else (n, row)
         if k % weight_block(self.qtype) or tuple(self.data.shape) != want:
             raise ValueError(f"{self.qtype} data {tuple(self.data.shape)} does not hold a {n} x {k} weight")
 
@@ -366,7 +360,7 @@ def _random_blocks(qtype: str, n: int, k: int, gen: torch.Generator) -> QuantTen
     if qtype in SUPER_BLOCKS:  # any quants and sub-block scales; positive fp16 d (and Q4_K's dmin)
         size = SUPER_BLOCKS[qtype][1]
         data = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, generator=gen)
-        for at in (0, 2) if qtype in PACKED_SUPER_BYTES else (size - 2,):
+        for at in (0, 2) if qtype in ("Q4_K", "Q5_K") else (size - 2,):
             scale = (torch.rand(n, k // 256, 1, generator=gen) * 0.01).to(torch.float16)
             data[..., at : at + 2] = scale.view(torch.uint8)
         return QuantTensor(qtype, data.reshape(n, -1), (n, k))

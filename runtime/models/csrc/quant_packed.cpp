@@ -98,9 +98,8 @@ constexpr int MAX_MR = 8;
 constexpr int MAX_MR = 6;
 #endif
 constexpr int64_t Q8_0 = 8, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q4_K = 12, Q5_K = 13, Q6_K = 14;
-// ggml's block_q4_K, block_q5_K and block_q6_K: 256 weights each; a packed Q4_K (Q5_K) keeps its 6-bit scales as
-// bytes (148 B; 180 B).
-constexpr int64_t Q4_K_BYTES = 144, Q4_K_PACKED = 148, Q5_K_BYTES = 176, Q5_K_PACKED = 180, Q6_K_BYTES = 210;
+// ggml's block_q4_K, block_q5_K and block_q6_K: 256 weights each, and as many bytes in a packed group row.
+constexpr int64_t Q4_K_BYTES = 144, Q5_K_BYTES = 176, Q6_K_BYTES = 210;
 constexpr bool is_kq(int64_t type) { return type == Q4_K || type == Q5_K; }  // scales and minimums per 32
 
 // Bytes of one channel's block of 32 weights, as ggml stores it (Q5_0: d, 4 bytes of fifth bits, 16 of nibbles;
@@ -117,8 +116,8 @@ constexpr bool has_offsets(int64_t type) { return type == Q4_1 || type == Q5_1; 
 // Bytes of one channel's weights per block of 32 inputs... as a group row holds them: 16 channels' worth.
 int64_t group_block_bytes(int64_t type) {
   if (type == Q6_K) return G * Q6_K_BYTES / 8;
-  if (type == Q4_K) return G * Q4_K_PACKED / 8;
-  if (type == Q5_K) return G * Q5_K_PACKED / 8;
+  if (type == Q4_K) return G * Q4_K_BYTES / 8;
+  if (type == Q5_K) return G * Q5_K_BYTES / 8;
   return G * block_bytes(type);
 }
 int64_t weight_block(int64_t type) { return type == Q6_K || is_kq(type) ? 256 : QK; }  // K is a multiple of it

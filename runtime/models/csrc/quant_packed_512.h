@@ -6,12 +6,20 @@
 #ifdef RS_PACKED_512
 // Run j of a block of 32 4-bit (or, with their fifth bits at bit 4, 5-bit) weights against MR rows of
 // activations (row r's block at x + r * stride): low levels into s0, high ones into s1.
-template <int64_t TYPE, int J, int MR>
+// HIGH16 (4-bit levels only, s1 a chain of its own): the high nibbles stay where they lie, one AND instead of a
+// shift and an AND, and s1 sums 16 x their products (at most 4 x 240 x 128 a lane and run: no overflow).
+template <int64_t TYPE, int J, int MR, bool HIGH16>
 __attribute__((always_inline)) inline void nibble_run(const int8_t* x, int64_t stride, const uint8_t* q,
                                                       __m512i fifth, __m512i* s0, __m512i* s1) {
   const __m512i low = _mm512_set1_epi8(15);
   const __m512i raw = _mm512_loadu_si512(q + 64 * J);
-  __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  __m512i lo = _mm512_and_si512(raw, low);
+  __m512i hi;
+  if constexpr (HIGH16) {
+    hi = _mm512_and_si512(raw, _mm512_set1_epi8(static_cast<char>(0xF0)));
+  } else {
+    hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  }
   if constexpr (has_fifth_bits(TYPE)) {
     lo = _mm512_or_si512(lo, bit_to_4<2 * J>(fifth));
     hi = _mm512_or_si512(hi, bit_to_4<2 * J + 1>(fifth));
@@ -22,6 +30,22 @@ __attribute__((always_inline)) inline void nibble_run(const int8_t* x, int64_t s
   }
 }
 
+// Block b's 16 scales d * scale and offsets -dmin * min of a Q4_K (Q5_K) group row (see KRowT); ODD: the second
+// block of its pair, whose minimums' top bits are the high nibbles of the pair's bytes.
+template <bool ODD, typename R>
+__attribute__((always_inline)) inline void kq_scales(const R& row, int64_t b, __m512 d, __m512 neg_dmin, __m512& dw,
+                                                     __m512& mw) {
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.low(b))));
+  const __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row.high(b))));
+  // The minimums' top 4 bits to bits 2-5: the pair byte's low nibble up by 2, its high one down by 2.
+  const __m512i top = ODD ? _mm512_srli_epi32(pair, 2) : _mm512_slli_epi32(pair, 2);
+  const __m512i sc = _mm512_and_si512(lo, _mm512_set1_epi32(63));
+  // 0xF8: A | (B & C), the minimum's low 2 bits (the byte's top ones) with its top 4.
+  const __m512i mn = _mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 6), top, _mm512_set1_epi32(0x3C), 0xF8);
+  dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+  mw = _mm512_mul_ps(neg_dmin, _mm512_cvtepi32_ps(mn));
+}
+
 // MR rows of x against channel group g: y[m0 + r][16 g .. 16 g + 15] (the first `valid` of them).
 template <int64_t TYPE, int MR, typename T, typename R>
 void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, int64_t g, T* y, bool first) {
@@ -30,22 +54,32 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t block = group_block_bytes(TYPE);
-  __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();  // Q4_K: the super-block's
+  __m512 d = _mm512_setzero_ps(), neg_dmin = _mm512_setzero_ps();  // a K-quant's super-block's, decoded here
   // Two integer chains per row where there are few rows (the dot products' latency), one where rows give enough
   // independent work. Integer sums are exact: the result is the same either way.
   constexpr bool TWO = MR <= 2;
-  for (int64_t b = 0; b < nb; ++b) {
+  // With two chains, 4-bit types multiply their high nibbles where they lie (one AND, no shift: see nibble_run).
+  constexpr bool HIGH16 = TWO && TYPE != Q8_0 && !has_fifth_bits(TYPE);
+  // Decoding K-quant scales here takes the blocks in pairs (nb is a multiple of 8), so that which nibble of the
+  // pair's bytes a block reads (e) is a constant.
+  constexpr int STEP = is_kq(TYPE) ? 2 : 1;
+  for (int64_t b0 = 0; b0 < nb; b0 += STEP)
+#pragma GCC unroll 2
+  for (int e = 0; e < STEP; ++e) {
+    const int64_t b = b0 + e;
     if (first) prefetch(row.row, b, block);
     __m512 dw, mw;
     if constexpr (is_kq(TYPE)) {
       if (b % 8 == 0) {
         d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.d(b))));
-        dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.dmin(b))));
+        neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(),
+                                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.dmin(b)))));
       }
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.scales(b)));
-      const __m128i mn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.mins(b)));
-      dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-      mw = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), dmin), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+      if (e) {
+        kq_scales<true>(row, b, d, neg_dmin, dw, mw);
+      } else {
+        kq_scales<false>(row, b, d, neg_dmin, dw, mw);
+      }
     } else {
       dw = fp16x16_to_float(row.scales(b));
       if constexpr (has_offsets(TYPE)) mw = fp16x16_to_float(row.offsets(b));
@@ -67,14 +101,15 @@ void group_rows(const Acts& a, int64_t m0, int64_t K, const R& row, int64_t N, i
       [[maybe_unused]] const __m512i fifth =
           has_fifth_bits(TYPE) ? _mm512_loadu_si512(row.fifth(b)) : low;
       const int8_t* xq = a.q.data() + (m0 * nb + b) * QK;
-      nibble_run<TYPE, 0, MR>(xq, nb * QK, q, fifth, s0, s1_);
-      nibble_run<TYPE, 1, MR>(xq, nb * QK, q, fifth, s0, s1_);
-      nibble_run<TYPE, 2, MR>(xq, nb * QK, q, fifth, s0, s1_);
-      nibble_run<TYPE, 3, MR>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 0, MR, HIGH16>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 1, MR, HIGH16>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 2, MR, HIGH16>(xq, nb * QK, q, fifth, s0, s1_);
+      nibble_run<TYPE, 3, MR, HIGH16>(xq, nb * QK, q, fifth, s0, s1_);
     }
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (m0 + r) * nb + b;
-      __m512i s = TWO ? _mm512_add_epi32(s0[r], s1[r]) : s0[r];
+      // HIGH16's sums are 16 x the levels' (every product a multiple of 16): the shift is exact.
+      __m512i s = TWO ? _mm512_add_epi32(s0[r], HIGH16 ? _mm512_srai_epi32(s1[r], 4) : s1[r]) : s0[r];
       if constexpr (TYPE == Q8_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[i]));
       if constexpr (TYPE == Q4_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.qsum[i]));
       if constexpr (TYPE == Q5_0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(16 * a.qsum[i]));

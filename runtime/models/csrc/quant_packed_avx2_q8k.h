@@ -68,17 +68,18 @@ void quantize_rows_256(const T* x, int64_t M, int64_t K, Acts256& out) {
   });
 }
 
-// 8 bytes as int32 lanes, each value in both of its int16 halves (vpmaddwd then scales both of a channel's pair
-// sums by it).
-inline __m256i bytes_in_pairs(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_or_si256(v, _mm256_slli_epi32(v, 16));
-}
-// Lane c: a[c] in the low int16, b[c] in the high one.
-inline __m256i bytes_as_pair(const uint8_t* a, const uint8_t* b) {
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
-  return _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16));
+// Lanes: the 6-bit scales (MIN: minimums) of channels c .. c + 7 in block b of a Q4_K (Q5_K) group row (KRowT).
+template <bool MIN, bool FIVE>
+inline __m256i kq_values8(const KRowT<FIVE>& row, int64_t b, int c) {
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.low(b) + c)));
+  if constexpr (!MIN) {
+    return _mm256_and_si256(lo, _mm256_set1_epi32(63));
+  } else {
+    const __m256i pair = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.high(b) + c)));
+    const __m256i top = _mm256_srl_epi32(pair, _mm_cvtsi32_si128(KRowT<FIVE>::high_shift(b)));
+    const __m256i top4 = _mm256_and_si256(top, _mm256_set1_epi32(15));
+    return _mm256_or_si256(_mm256_srli_epi32(lo, 6), _mm256_slli_epi32(top4, 2));
+  }
 }
 
 // The loop both kernels share: for each super-block s, the int32 sums si[SUMS] start at zero, block(b, si) adds
@@ -110,7 +111,8 @@ void half_rows_kq(const Acts256& a, int64_t m0, int64_t K, const KRowT<FIVE>& ro
       nibble_sums<MR, NH>(a.q.data() + m0 * K + 32 * b, K, row.quants(b), h0, p);
     }
     for (int h = 0; h < NH; ++h) {
-      const __m256i sc = bytes_in_pairs(row.scales(b) + 8 * (h0 + h));
+      const __m256i v = kq_values8<false>(row, b, 8 * (h0 + h));
+      const __m256i sc = _mm256_or_si256(v, _mm256_slli_epi32(v, 16));  // in both int16 halves
       for (int r = 0; r < MR; ++r) {
         si[NH * r + h] = _mm256_add_epi32(si[NH * r + h], _mm256_madd_epi16(p[NH * r + h], sc));
         if constexpr (FIVE) {
@@ -125,7 +127,8 @@ void half_rows_kq(const Acts256& a, int64_t m0, int64_t K, const KRowT<FIVE>& ro
       const __m256 d = fp16x8_to_float(row.d(8 * s) + 2 * c), dmin = fp16x8_to_float(row.dmin(8 * s) + 2 * c);
       __m256i mn[4];
       for (int k = 0; k < 4; ++k)
-        mn[k] = bytes_as_pair(row.mins(8 * s + 2 * k) + c, row.mins(8 * s + 2 * k + 1) + c);
+        mn[k] = _mm256_or_si256(kq_values8<true>(row, 8 * s + 2 * k, c),
+                                _mm256_slli_epi32(kq_values8<true>(row, 8 * s + 2 * k + 1, c), 16));
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * ns + s;
         __m256i mi = _mm256_setzero_si256();

@@ -21,23 +21,30 @@ struct Q6Row {
   const uint8_t* d(int64_t b) const { return base(b) + 3328; }
 };
 
-// Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,368 B =
-// 16 x 148: the blocks' quants as Q4_1's (8 x 256 B), the blocks' 6-bit scales and minimums as bytes (8 x 16 B
-// each), then the 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block
-// whose scale and offset are computed (exactly, in float32) instead of loaded. Q5_K (FIVE): 2,880 B = 16 x 180,
-// the blocks' fifth bits (8 x 64 B, laid out as Q5_0's, see quant_packed.cpp) right after their nibbles.
+// Q4_K in a group row: per super-block of 256 inputs (8 blocks of 32, each one of ggml's sub-blocks), 2,304 B =
+// 16 x 144, ggml's own size: the blocks' quants as Q4_1's (8 x 256 B); per block, the 16 channels' 6-bit scales
+// with the low 2 bits of their minimums on top (8 x 16 B: byte c = scale | (min & 3) << 6); per pair of blocks, the
+// top 4 bits of the minimums (4 x 16 B: byte c = the first block's in bits 0-3, the second's in bits 4-7); then the
+// 16 channels' fp16 d and dmin. Weight = d * scale * q - dmin * min, as in ggml: a Q4_1 block whose scale and
+// offset are computed (exactly, in float32) instead of loaded. Byte c is channel c throughout, so a kernel widens 16
+// (or 8) bytes to lanes and needs no shuffle; the scale is one AND away. (Scales and minimums as whole bytes made
+// 148 B per 256 weights: 2.7% more bytes for each Q4_K product to stream.) Q5_K (FIVE): 2,816 B = 16 x 176, the
+// blocks' fifth bits (8 x 64 B, laid out as Q5_0's, see quant_packed.cpp) right after their nibbles.
 template <bool FIVE>
 struct KRowT {
-  static constexpr int64_t F = FIVE ? 512 : 0, BYTES = FIVE ? G * Q5_K_PACKED : G * Q4_K_PACKED;
+  static constexpr int64_t F = FIVE ? 512 : 0, BYTES = FIVE ? G * Q5_K_BYTES : G * Q4_K_BYTES;
   const uint8_t* row;
   explicit KRowT(const uint8_t* r) : row(r) {}
   const uint8_t* base(int64_t b) const { return row + (b / 8) * BYTES; }
   const uint8_t* quants(int64_t b) const { return base(b) + (b % 8) * 256; }
   const uint8_t* fifth(int64_t b) const { return base(b) + 2048 + (b % 8) * 64; }  // FIVE only
-  const uint8_t* scales(int64_t b) const { return base(b) + 2048 + F + (b % 8) * 16; }
-  const uint8_t* mins(int64_t b) const { return base(b) + 2176 + F + (b % 8) * 16; }
-  const uint8_t* d(int64_t b) const { return base(b) + 2304 + F; }
-  const uint8_t* dmin(int64_t b) const { return base(b) + 2336 + F; }
+  const uint8_t* low(int64_t b) const { return base(b) + 2048 + F + (b % 8) * 16; }
+  const uint8_t* high(int64_t b) const { return base(b) + 2176 + F + (b % 8) / 2 * 16; }  // the pair's byte
+  static int high_shift(int64_t b) { return 4 * static_cast<int>(b % 2); }  // block b's nibble of it
+  int scale(int64_t b, int c) const { return low(b)[c] & 63; }
+  int min(int64_t b, int c) const { return (low(b)[c] >> 6) | ((high(b)[c] >> high_shift(b)) & 15) << 2; }
+  const uint8_t* d(int64_t b) const { return base(b) + 2240 + F; }
+  const uint8_t* dmin(int64_t b) const { return base(b) + 2272 + F; }
 };
 using Q4KRow = KRowT<false>;
 using Q5KRow = KRowT<true>;
@@ -57,8 +64,8 @@ void unpack_channel_q6(const Q6Row& row, int64_t b, int c, float* out) {
 // The 32 weights of channel c in block b of a Q4_K (Q5_K) group row, as float32.
 template <bool FIVE>
 void unpack_channel_kq(const KRowT<FIVE>& row, int64_t b, int c, float* out) {
-  const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scales(b)[c]);
-  const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.mins(b)[c]);
+  const float scale = fp16_to_float(load_u16(row.d(b) + 2 * c)) * static_cast<float>(row.scale(b, c));
+  const float offset = fp16_to_float(load_u16(row.dmin(b) + 2 * c)) * static_cast<float>(row.min(b, c));
   const uint8_t* q = row.quants(b);
   for (int k = 0; k < QK / 2; ++k) {
     const uint8_t v = q[64 * (k / 4) + 4 * c + k % 4];
@@ -133,8 +140,14 @@ void fill_kq(uint8_t* group, int c, int64_t s, const uint8_t* blk) {
   for (int j = 0; j < 8; ++j) {
     const int64_t b = s * 8 + j;
     // ggml's get_scale_min_k4: 6-bit scale and minimum of sub-block j.
-    const_cast<uint8_t*>(row.scales(b))[c] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-    const_cast<uint8_t*>(row.mins(b))[c] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    const_cast<uint8_t*>(row.low(b))[c] = static_cast<uint8_t>(scale | (min & 3) << 6);
+    // The pair's byte is written whole by its first block and completed by its second (the group's memory is not
+    // zeroed: packed_groups).
+    uint8_t* high = const_cast<uint8_t*>(row.high(b)) + c;
+    const int top = (min >> 2) << KRowT<FIVE>::high_shift(b);
+    *high = static_cast<uint8_t>(j % 2 ? *high | top : top);
     // Sub-block j's quants: the low (even j) or high (odd j) nibbles of the 32 bytes qs[32 (j / 2) ...]; packed
     // byte k holds weight k low and weight k + 16 high.
     const uint8_t* run = qs + 32 * (j / 2);

@@ -37,25 +37,24 @@ void split_groups(int64_t n, F fn) {
 // per super-block and channel): fill(group row, channel c, super-block s, its ggml bytes) writes one channel's
 // super-block.
 template <typename F>
-void pack_super(const torch::Tensor& w, int64_t K, int64_t in_bytes, int64_t out_bytes, F fill, torch::Tensor& out,
-                int64_t g0) {
+void pack_super(const torch::Tensor& w, int64_t K, int64_t bytes, F fill, torch::Tensor& out, int64_t g0) {
   const int64_t ns = K / 256, N = w.size(0), groups = (N + G - 1) / G;
-  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * in_bytes, "quant_packed: K and K-quant block bytes disagree");
-  TORCH_CHECK(out.size(1) == ns * G * out_bytes, "quant_packed: the output's rows do not fit this type and K");
+  TORCH_CHECK(K % 256 == 0 && w.size(1) == ns * bytes, "quant_packed: K and K-quant block bytes disagree");
+  TORCH_CHECK(out.size(1) == ns * G * bytes, "quant_packed: the output's rows do not fit this type and K");
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>() + g0 * out.size(1);
   split_groups(groups, [&](int64_t ga, int64_t gb) {
     for (int64_t g = ga; g < gb; ++g)
       for (int c = 0; c < G && g * G + c < N; ++c)
-        for (int64_t s = 0; s < ns; ++s) fill(dst + g * out.size(1), c, s, src + ((g * G + c) * ns + s) * in_bytes);
+        for (int64_t s = 0; s < ns; ++s) fill(dst + g * out.size(1), c, s, src + ((g * G + c) * ns + s) * bytes);
   });
 }
 
 // Bytes of one packed group row of K inputs.
 int64_t packed_row_bytes(int64_t type, int64_t K) {
   if (type == Q6_K) return K / 256 * G * Q6_K_BYTES;
-  if (type == Q4_K) return K / 256 * G * Q4_K_PACKED;
-  if (type == Q5_K) return K / 256 * G * Q5_K_PACKED;
+  if (type == Q4_K) return K / 256 * G * Q4_K_BYTES;
+  if (type == Q5_K) return K / 256 * G * Q5_K_BYTES;
   return K / QK * G * block_bytes(type);
 }
 
@@ -68,9 +67,9 @@ void check_blocks(const torch::Tensor& w, int64_t type, int64_t K) {
 void pack_into(torch::Tensor& out, int64_t g0, const torch::Tensor& w, int64_t type, int64_t K) {
   check_blocks(w, type, K);
   TORCH_CHECK(g0 + (w.size(0) + G - 1) / G <= out.size(0), "quant_packed: the output has too few groups");
-  if (type == Q6_K) return pack_super(w, K, Q6_K_BYTES, Q6_K_BYTES, fill_q6, out, g0);
-  if (type == Q4_K) return pack_super(w, K, Q4_K_BYTES, Q4_K_PACKED, fill_kq<false>, out, g0);
-  if (type == Q5_K) return pack_super(w, K, Q5_K_BYTES, Q5_K_PACKED, fill_kq<true>, out, g0);
+  if (type == Q6_K) return pack_super(w, K, Q6_K_BYTES, fill_q6, out, g0);
+  if (type == Q4_K) return pack_super(w, K, Q4_K_BYTES, fill_kq<false>, out, g0);
+  if (type == Q5_K) return pack_super(w, K, Q5_K_BYTES, fill_kq<true>, out, g0);
   const int64_t bs = block_bytes(type), hb = header_bytes(type), nb = K / QK, N = w.size(0);
   const int64_t groups = (N + G - 1) / G;
   TORCH_CHECK(w.size(1) == nb * bs && out.size(1) == nb * G * bs, "quant_packed: K and block bytes disagree");
