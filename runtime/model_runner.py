@@ -15,7 +15,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
-from radixserve.runtime.greedy import argmax_checked, finite_rows
+from radixserve.runtime.greedy import finite_rows
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
@@ -32,6 +32,7 @@ class CausalLM(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def greedy_tokens(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -116,8 +117,8 @@ class ModelRunner:
         )
         if fast:
             # Every sampled row is plain greedy: the step's one host sync reads tokens and checks together.
-            logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in candidates], n_rows)])
-            picked = argmax_checked(logits, self.sampler.vocab_size)  # logits checks, then tokens
+            rows = hidden[self._rows([last_rows[i] for i in candidates], n_rows)]
+            picked = self.model.greedy_tokens(rows, self.sampler.vocab_size)  # logits checks, then tokens
             flags = torch.cat([hidden_ok, picked]).tolist()
             return self._greedy_result(n, candidates, flags)
 

@@ -98,3 +98,72 @@ def test_the_kernels_refuse_what_they_cannot_read(ops) -> None:
         ops.top_indices(x.t(), 2)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.argmax_checked(x.half(), 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("columns", [1, 16, 33, 2048])
+def test_finite_rows_flags_each_row_with_a_nan_or_an_infinity(ops, dtype, columns) -> None:
+    x = _rows(columns, dtype, 5, columns, ties=False)
+    x[1, columns - 1] = float("nan")  # the last column: past the last whole vector when columns % 16 != 0
+    x[2, 0] = float("inf")
+    x[3, columns // 2] = float("-inf")
+    x[4, 0] = 3e38  # finite, however large
+    want = torch.isfinite(x).all(dim=-1).long()
+    assert want.tolist() == [1, 0, 0, 0, 1]
+    assert torch.equal(ops.finite_rows(x), want)
+    assert torch.equal(greedy.finite_rows(x), want)
+
+
+def _packed_head(seed: int, n: int, k: int):  # noqa: ANN202 - a packed Q8_0 QuantTensor, or a skip
+    from radixserve.runtime.models import quant
+
+    if quant.packed_ops() is None:
+        pytest.skip("no packed kernel on this CPU")
+    gen = torch.Generator().manual_seed(seed)
+    return quant.quantize_q8_0(torch.randn(n, k, generator=gen)).pack(), gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@torch.inference_mode()
+def test_compiled_exact_leaders_are_the_float64_products_of_the_leading_rows(ops, dtype, with_bias) -> None:
+    """The compiled exact_leaders (the packed head's path of ``llama.exact_leaders``) against its torch
+    definition: each row's 8 largest logits replaced by float64 sums rounded once, everything else untouched."""
+    from radixserve.runtime.models import quant
+    from radixserve.runtime.models.llama import HEAD_LEADERS, exact_leaders
+
+    w, gen = _packed_head(11, 500, 96)
+    x = torch.randn(6, 96, generator=gen).to(dtype)
+    bias = torch.randn(500, generator=gen).to(dtype) if with_bias else None
+    logits = quant.linear(x, w, bias)
+    top = logits.float().topk(HEAD_LEADERS, dim=-1).indices
+    exact = (quant.embedding(top, w).double() * x.double().unsqueeze(1)).sum(-1)
+    if bias is not None:
+        exact = exact + bias.double()[top]
+    want = logits.clone().scatter_(-1, top, exact.to(dtype))
+    got = exact_leaders(logits.clone(), x, w, bias)
+    assert torch.equal(got, want)
+    picked = ops.exact_argmax_checked(logits.clone(), x, w.data, quant.QTYPES["Q8_0"], 96, 500, HEAD_LEADERS, bias, 490)
+    assert torch.equal(picked, greedy.argmax_checked(want, 490))
+
+
+@torch.inference_mode()
+def test_a_models_greedy_tokens_are_the_argmax_of_its_logits(tiny_model_dir) -> None:
+    """``greedy_tokens`` (the runner's greedy fast path) against ``argmax_checked(compute_logits(...))``: plain
+    weights, a packed head (the compiled tail) and a head whose blocks keep their rows (torch)."""
+    from radixserve.runtime.models import LlamaForCausalLM, ModelArgs, quant
+    from radixserve.runtime.weights import load_hf_config
+
+    args = ModelArgs.from_hf_config(load_hf_config(tiny_model_dir))
+    model = LlamaForCausalLM(args)
+    vocab, k = args.vocab_size, args.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    heads = [None, quant.quantize_q8_0(torch.randn(vocab, k, generator=gen))]
+    if quant.packed_ops() is not None:
+        heads.append(heads[1].pack())
+    for head in heads:
+        if head is not None:
+            model.lm_head.set_quantized(head)
+        hidden = torch.randn(5, k, generator=gen)
+        want = greedy.argmax_checked(model.compute_logits(hidden), vocab - 3)
+        assert torch.equal(model.greedy_tokens(hidden, vocab - 3), want)

@@ -8,6 +8,11 @@
 //
 // Ties go to the lowest index, as torch.argmax's do; a row with a NaN or an infinity is flagged, and its token
 // (some index below the vocabulary size) is never used.
+//
+// A step's tail after the model runs cold: the step streamed hundreds of MB of weights through the caches, and a
+// trivial torch op then took 30-60 us instead of 2-6 (one thread, after 540 MB of products). So the greedy tail
+// of a packed head (exact_leaders, the pick and the checks: a dozen torch ops, ~0.45 ms a step) is one call here.
+// Included by csrc/module.cpp after quant_packed.cpp (exact_leaders unpacks the head's rows with its `rows`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "simd.h"
 
@@ -142,6 +148,80 @@ torch::Tensor top_indices(const torch::Tensor& x, int64_t k) {
   return out;
 }
 
+// x [B, M] float32 or bfloat16 -> int64 [B]: 1 where row b is all finite, else 0.
+torch::Tensor finite_rows(const torch::Tensor& x) {
+  check_rows(x, "finite_rows");
+  const int64_t B = x.size(0), M = x.size(1);
+  auto out = torch::empty({B}, torch::dtype(torch::kInt64));
+  int64_t* o = out.data_ptr<int64_t>();
+  each_row(x, [&](const auto* row, int64_t b) {
+    bool ok = true;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __mmask16 fin = 0xFFFF;
+    for (; i + 16 <= M; i += 16) {
+      const __m512 v = radixserve_simd::load16(row + i);
+      fin &= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ);  // v - v is 0 iff finite
+    }
+    ok = fin == 0xFFFF;
+#endif
+    for (; i < M; ++i) ok = ok && std::isfinite(static_cast<float>(row[i]));
+    o[b] = ok;
+  });
+  return out;
+}
+
+// exact_leaders (runtime/models/llama.py) for a head in packed blocks (quant_packed's layout, `type`, [N, K]): in
+// each row of logits [B, N] (the head's output for hidden [B, K]; float32 or bfloat16, written in place) its k
+// largest values are replaced by the float64 sum of hidden's row times that row of the head (dequantized to
+// float32, as quant_packed.rows gives it), plus bias (float64) where given, rounded to float32 and then, for
+// bfloat16 logits, to bfloat16 (as torch rounds a float64 tensor to bfloat16). Each sum: 8 lanes over K in order,
+// then the lanes in order.
+void exact_leaders(torch::Tensor logits, const torch::Tensor& hidden, const torch::Tensor& w, int64_t type, int64_t K,
+                   int64_t N, int64_t k, const std::optional<torch::Tensor>& bias) {
+  check_rows(logits, "exact_leaders");
+  check_rows(hidden, "exact_leaders");
+  const int64_t B = logits.size(0);
+  TORCH_CHECK(logits.size(1) == N && hidden.size(0) == B && hidden.size(1) == K && K % 8 == 0,
+              "exact_leaders: logits [B, N] and hidden [B, K] of the head's shape");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "exact_leaders: bias [N]");
+  const torch::Tensor top = top_indices(logits, k);                                   // [B, k]
+  const torch::Tensor rows = radixserve_quant_packed::rows(w, top.reshape({-1}), type, K, N);  // [B k, K]
+  const torch::Tensor h = hidden.to(torch::kDouble).contiguous();
+  const torch::Tensor bd = bias.has_value() ? bias->to(torch::kDouble).contiguous() : torch::Tensor();
+  const int64_t* tp = top.data_ptr<int64_t>();
+  const float* rp = rows.data_ptr<float>();
+  const double* hp = h.data_ptr<double>();
+  const double* bp = bd.defined() ? bd.data_ptr<double>() : nullptr;
+  const int64_t stride = logits.stride(0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < k; ++j) {
+      const float* wr = rp + (b * k + j) * K;
+      const double* hr = hp + b * K;
+      double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < K; i += 8)
+        for (int l = 0; l < 8; ++l) lanes[l] += static_cast<double>(wr[i + l]) * hr[i + l];
+      double sum = 0;
+      for (double lane : lanes) sum += lane;
+      const int64_t v = tp[b * k + j];
+      if (bp != nullptr) sum += bp[v];
+      const float f = static_cast<float>(sum);
+      if (logits.scalar_type() == torch::kBFloat16) {
+        logits.data_ptr<bf16>()[b * stride + v] = bf16(f);
+      } else {
+        logits.data_ptr<float>()[b * stride + v] = f;
+      }
+    }
+}
+
+// The greedy step's tail for a packed head: exact_leaders on logits (in place), then argmax_checked(logits, n).
+torch::Tensor exact_argmax_checked(torch::Tensor logits, const torch::Tensor& hidden, const torch::Tensor& w,
+                                   int64_t type, int64_t K, int64_t N, int64_t k,
+                                   const std::optional<torch::Tensor>& bias, int64_t n) {
+  exact_leaders(logits, hidden, w, type, K, N, k, bias);
+  return argmax_checked(logits, n);
+}
+
 }  // namespace radixserve_greedy
 
 void register_greedy(pybind11::module_& parent) {
@@ -149,5 +229,12 @@ void register_greedy(pybind11::module_& parent) {
   m.def("argmax_checked", &radixserve_greedy::argmax_checked, "per row: all finite, then the argmax of the first n",
         py::call_guard<py::gil_scoped_release>());
   m.def("top_indices", &radixserve_greedy::top_indices, "per row: the k largest values' indices, largest first",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("finite_rows", &radixserve_greedy::finite_rows, "per row: 1 if all finite, else 0",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("exact_leaders", &radixserve_greedy::exact_leaders,
+        "each row's k largest logits recomputed in float64 from a packed head, in place",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("exact_argmax_checked", &radixserve_greedy::exact_argmax_checked, "exact_leaders, then argmax_checked",
         py::call_guard<py::gil_scoped_release>());
 }

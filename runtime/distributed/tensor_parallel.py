@@ -39,6 +39,7 @@ from radixserve.runtime.distributed.group import (
     to_device,
 )
 from radixserve.runtime.distributed.shard import check_shardable, shard_model
+from radixserve.runtime.greedy import argmax_checked
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from radixserve.runtime.model_source import model_folder
@@ -110,6 +111,9 @@ class TensorParallelModel:
             raise WorkerDiedError(f"a tensor-parallel collective failed: {exc}") from exc
         assert logits is not None  # the leader always gets the gathered logits
         return logits
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+        return argmax_checked(self.compute_logits(hidden), vocab)
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop every worker (those of other nodes exit too) and leave the process group."""

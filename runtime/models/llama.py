@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.runtime.attention.base import AttnOptions, ForwardContext
-from radixserve.runtime.greedy import top_indices
+from radixserve.runtime.cpu_ext import load_kernels
+from radixserve.runtime.greedy import argmax_checked, top_indices
 from radixserve.runtime.models import decode_stack, fused, loading, quant
 from radixserve.runtime.models.args import ModelArgs
 from radixserve.runtime.models.families import SUPPORTED_ARCHITECTURES, checkpoint_names
@@ -216,7 +217,12 @@ def exact_leaders(
     x K multiply-adds a row, against V x K for the whole head. SmolLM2's Q4_1 file, 512 prompts x 32 greedy tokens
     against its float32 dequantization (``bench.quant_agreement``): 0.41 -> 0.47-0.48 of the prompts identical."""
     k = min(HEAD_LEADERS, logits.shape[-1])
-    flat, x = logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1]).double()
+    flat, x = logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
+    ops = _packed_head_ops(flat, x, w, bias)
+    if ops is not None:  # the same sums in one compiled call (csrc/greedy.cpp)
+        ops.exact_leaders(flat, x, w.data, quant.QTYPES[w.qtype], w.shape[1], w.shape[0], k, bias)
+        return flat.reshape(logits.shape)
+    x = x.double()
     top = top_indices(flat, k)  # [rows, k]
     rows = quant.embedding(top, w)  # [rows, k, K] float32, only these rows unpacked
     # Summed in float64, each row on its own: the float32 result then never depends on what shares the batch
@@ -226,6 +232,23 @@ def exact_leaders(
         exact = exact + bias.double()[top]
     flat.scatter_(-1, top, exact.to(flat.dtype))
     return flat.reshape(logits.shape)
+
+
+def _packed_head_ops(logits: torch.Tensor, hidden: torch.Tensor, w: quant.QuantTensor, bias: torch.Tensor | None):  # noqa: ANN202
+    """The compiled greedy ops (``csrc/greedy.cpp``) where they take this head's rows: packed blocks on the CPU,
+    float32 or bfloat16 rows; else None."""
+    ok = (
+        w.packed
+        and logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and hidden.dtype in (torch.float32, torch.bfloat16)
+        and logits.stride(-1) == 1
+        and hidden.stride(-1) == 1
+        and w.shape[1] % 8 == 0
+        and (bias is None or bias.device.type == "cpu")
+    )
+    kernels = load_kernels() if ok else None
+    return None if kernels is None else kernels.greedy
 
 
 class LlamaForCausalLM(nn.Module):
@@ -275,6 +298,23 @@ class LlamaForCausalLM(nn.Module):
             logits = exact_leaders(logits, hidden, self.lm_head.quant, self.lm_head.bias)
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def greedy_tokens(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+        """``argmax_checked(compute_logits(hidden), vocab)`` (int64 ``[2 B]``: the logits' finiteness flags, then
+        the tokens). With a packed head on the CPU, its exact leaders and the pick are one compiled call after the
+        head's product: a step's tail runs with caches the weights just went through, where each torch op costs
+        tens of microseconds."""
+        head = self.lm_head.quant if self.lm_head.qtype is not None else None
+        if isinstance(head, quant.QuantTensor) and self.args.final_softcap is None:
+            logits = self.lm_head(hidden)
+            ops = _packed_head_ops(logits, hidden, head, self.lm_head.bias)
+            if ops is not None and logits.dim() == 2 and hidden.dim() == 2:
+                k = min(HEAD_LEADERS, logits.shape[-1])
+                code = quant.QTYPES[head.qtype]
+                return ops.exact_argmax_checked(logits, hidden, head.data, code, head.shape[1], head.shape[0], k,
+                                                self.lm_head.bias, vocab)  # fmt: skip
+            return argmax_checked(exact_leaders(logits, hidden, head, self.lm_head.bias), vocab)
+        return argmax_checked(self.compute_logits(hidden), vocab)
 
     def load_weights(
         self,
