@@ -48,7 +48,7 @@ def lay_out(
         else:
             kv = _tensor(row.table, device) if s > 0 else None
             extends.append(ExtendSeq(q_start=len(input_ids) - (e - s), q_len=e - s, kv_len=e, kv_slots=kv))
-    decode_slots = decode_mask = None
+    decode_slots = lens_t = None
     groups: tuple[PrefixGroup, ...] = ()
     if decode_tables:
         if shared is not None:
@@ -57,15 +57,15 @@ def lay_out(
         width = max(lens)
         pad = decode_tables[0][0]
         decode_slots = _tensor([t + [pad] * (width - len(t)) for t in decode_tables], device)
-        lens_t = _tensor(lens, device)
-        decode_mask = (torch.arange(width, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        lens_t = _tensor(lens, device)  # the mask, where a backend wants it, is made from these (meta.mask())
     meta = AttentionMetadata(
         out_slots=_tensor(out_slots, device),
         num_decode=len(decode_tables),
         decode_slots=decode_slots,
-        decode_mask=decode_mask,
+        decode_mask=None,
         extends=tuple(extends),
         prefix_groups=groups,
+        decode_lens=lens_t,
     )
     return _tensor(input_ids, device), _tensor(positions, device), meta
 

@@ -52,10 +52,29 @@ class AttentionMetadata:
     out_slots: torch.Tensor  # [T] int64
     num_decode: int
     decode_slots: torch.Tensor | None  # [Bd, Lmax] int64, padded with any valid slot
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True where a real token sits
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True where a real token sits; None: see ``mask``
     extends: tuple[ExtendSeq, ...]
     # Shared-prefix groups among the decode rows; a grouped row's decode_slots exclude its group's prefix.
     prefix_groups: tuple[PrefixGroup, ...] = ()
+    # [Bd] int64: each decode row's length (decode_mask's count), where the layout had it at hand; None: count the
+    # mask. With it the layout leaves decode_mask to ``mask``: the compiled CPU kernel reads lengths, and a step's
+    # host work runs with cold caches (each torch op tens of microseconds after the weights went through).
+    decode_lens: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor | None:
+        """``decode_mask``, made from ``decode_lens`` where the layout left it out."""
+        if self.decode_mask is not None or self.decode_lens is None or self.decode_slots is None:
+            return self.decode_mask
+        width = self.decode_slots.shape[1]
+        return (torch.arange(width, device=self.decode_lens.device)[None, :] < self.decode_lens[:, None])[
+            :, None, None, :
+        ]
+
+    def lens(self) -> torch.Tensor | None:
+        """Each decode row's length: ``decode_lens``, or the mask's count."""
+        if self.decode_lens is not None or self.decode_mask is None or self.decode_slots is None:
+            return self.decode_lens
+        return self.decode_mask.reshape(self.decode_slots.shape).sum(dim=1)
 
 
 @dataclass(frozen=True)

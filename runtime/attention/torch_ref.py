@@ -163,21 +163,25 @@ class TorchReferenceBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata, pool: KVPool) -> _StepState:
         decode = None
         if meta.num_decode:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
+            assert meta.decode_slots is not None
             b, width = meta.decode_slots.shape
-            real = meta.decode_mask.reshape(b, width)
+            row_lens = meta.lens()
+            assert row_lens is not None
             pool_tensor = pool.kv[0]
             if self._decode_kernel is not None and cpu_kernels.applies(pool_tensor.device, pool_tensor.dtype):
-                slots, lens = _full_rows(meta.decode_slots, real.sum(dim=1), meta.prefix_groups)
+                slots, lens = _full_rows(meta.decode_slots, row_lens, meta.prefix_groups)
                 decode = _DecodeLayout(slots, lens, slots.shape[1], (), None, None)
             else:
+                mask = meta.mask()
+                assert mask is not None
+                real = mask.reshape(b, width)
                 prefixes = tuple(_kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
                 bias = torch.zeros(b, width, dtype=torch.float32, device=real.device).masked_fill_(~real, float("-inf"))
                 n_kv = pool.num_kv_heads
                 bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
                 heads = torch.arange(n_kv, device=real.device) * pool.slot_rows
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
-                decode = _DecodeLayout(meta.decode_slots, real.sum(dim=1), width, prefixes, keys, bias)
+                decode = _DecodeLayout(meta.decode_slots, row_lens, width, prefixes, keys, bias)
         kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)
         bf16_kernel = (
             self._extend_kernel is not None
@@ -349,8 +353,8 @@ class TorchReferenceBackend(AttentionBackend):
         if not meta.num_decode:
             return None
         if state.whole_rows is None:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
-            lens = meta.decode_mask.reshape(meta.decode_slots.shape).sum(dim=1)
+            lens = meta.lens()
+            assert meta.decode_slots is not None and lens is not None
             state.whole_rows = _full_rows(meta.decode_slots, lens, meta.prefix_groups)
         return state.whole_rows
 

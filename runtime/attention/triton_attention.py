@@ -169,8 +169,9 @@ def plan_step(meta: AttentionMetadata, device: torch.device, cascade: bool = Tru
     b = _PlanBuilder()
     num_rows = meta.num_decode + sum(s.q_len for s in meta.extends)
     if meta.num_decode:
-        assert meta.decode_slots is not None and meta.decode_mask is not None
-        lens = meta.decode_mask.reshape(meta.num_decode, -1).sum(1).tolist()
+        row_lens = meta.lens()
+        assert meta.decode_slots is not None and row_lens is not None
+        lens = row_lens.tolist()
         prefix_len = [0] * meta.num_decode
         for group in meta.prefix_groups if cascade else ():
             rows = group.rows.tolist()
