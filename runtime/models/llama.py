@@ -234,7 +234,9 @@ def exact_leaders(
     return flat.reshape(logits.shape)
 
 
-def _packed_head_ops(logits: torch.Tensor, hidden: torch.Tensor, w: quant.QuantTensor, bias: torch.Tensor | None):  # noqa: ANN202
+def _packed_head_ops(  # noqa: ANN202 - the compiled module, or None
+    logits: torch.Tensor, hidden: torch.Tensor, w: quant.QuantTensor, bias: torch.Tensor | None
+):
     """The compiled greedy ops (``csrc/greedy.cpp``) where they take this head's rows: packed blocks on the CPU,
     float32 or bfloat16 rows; else None."""
     ok = (
