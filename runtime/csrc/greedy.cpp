@@ -31,6 +31,22 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
+// Whether x[i, m) is all finite (v - v is 0 exactly where v is finite).
+template <typename T>
+bool all_finite(const T* x, int64_t i, int64_t m) {
+#ifdef __AVX512F__
+  __mmask16 ok = 0xFFFF;
+  for (; i + 16 <= m; i += 16) {
+    const __m512 v = radixserve_simd::load16(x + i);
+    ok &= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ);
+  }
+  if (ok != 0xFFFF) return false;
+#endif
+  for (; i < m; ++i)
+    if (!std::isfinite(static_cast<float>(x[i]))) return false;
+  return true;
+}
+
 // The first index of row x[0, n)'s largest value, and whether x[0, m) (m >= n: padding columns are checked, never
 // picked) is all finite.
 template <typename T>
@@ -65,8 +81,7 @@ std::pair<int64_t, bool> argmax_row(const T* x, int64_t n, int64_t m) {
     finite = finite && std::isfinite(v);
     if (v > best) best = v, at = i;
   }
-  for (; i < m; ++i) finite = finite && std::isfinite(static_cast<float>(x[i]));
-  return {at, finite};
+  return {at, finite && all_finite(x, n, m)};
 }
 
 // Row x[0, n)'s k largest values' indices into idx, largest first (ties: lower index first).
@@ -154,20 +169,7 @@ torch::Tensor finite_rows(const torch::Tensor& x) {
   const int64_t B = x.size(0), M = x.size(1);
   auto out = torch::empty({B}, torch::dtype(torch::kInt64));
   int64_t* o = out.data_ptr<int64_t>();
-  each_row(x, [&](const auto* row, int64_t b) {
-    bool ok = true;
-    int64_t i = 0;
-#ifdef __AVX512F__
-    __mmask16 fin = 0xFFFF;
-    for (; i + 16 <= M; i += 16) {
-      const __m512 v = radixserve_simd::load16(row + i);
-      fin &= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_EQ_OQ);  // v - v is 0 iff finite
-    }
-    ok = fin == 0xFFFF;
-#endif
-    for (; i < M; ++i) ok = ok && std::isfinite(static_cast<float>(row[i]));
-    o[b] = ok;
-  });
+  each_row(x, [&](const auto* row, int64_t b) { o[b] = all_finite(row, 0, M); });
   return out;
 }
 

@@ -218,7 +218,7 @@ def exact_leaders(
     against its float32 dequantization (``bench.quant_agreement``): 0.41 -> 0.47-0.48 of the prompts identical."""
     k = min(HEAD_LEADERS, logits.shape[-1])
     flat, x = logits.reshape(-1, logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1])
-    ops = _packed_head_ops(flat, x, w, bias)
+    ops = _packed_head_ops(x, w, bias) if flat.dtype == x.dtype and flat.stride(-1) == 1 else None
     if ops is not None:  # the same sums in one compiled call (csrc/greedy.cpp)
         ops.exact_leaders(flat, x, w.data, quant.QTYPES[w.qtype], w.shape[1], w.shape[0], k, bias)
         return flat.reshape(logits.shape)
@@ -235,16 +235,15 @@ def exact_leaders(
 
 
 def _packed_head_ops(  # noqa: ANN202 - the compiled module, or None
-    logits: torch.Tensor, hidden: torch.Tensor, w: quant.QuantTensor, bias: torch.Tensor | None
+    hidden: torch.Tensor, w: quant.QuantTensor, bias: torch.Tensor | None
 ):
     """The compiled greedy ops (``csrc/greedy.cpp``) where they take this head's rows: packed blocks on the CPU,
-    float32 or bfloat16 rows; else None."""
+    ``hidden`` 2-D float32 or bfloat16 rows (the head's logits are then of the same dtype); else None."""
     ok = (
         w.packed
-        and logits.device.type == "cpu"
-        and logits.dtype in (torch.float32, torch.bfloat16)
+        and hidden.dim() == 2
+        and hidden.device.type == "cpu"
         and hidden.dtype in (torch.float32, torch.bfloat16)
-        and logits.stride(-1) == 1
         and hidden.stride(-1) == 1
         and w.shape[1] % 8 == 0
         and (bias is None or bias.device.type == "cpu")
@@ -296,27 +295,33 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        if self.lm_head.qtype is not None and isinstance(self.lm_head.quant, quant.QuantTensor):
-            logits = exact_leaders(logits, hidden, self.lm_head.quant, self.lm_head.bias)
+        head = self._head_blocks()
+        if head is not None:
+            logits = exact_leaders(logits, hidden, head, self.lm_head.bias)
         cap = self.args.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _head_blocks(self) -> quant.QuantTensor | None:
+        """The head's blocks where it is kept in them (its logits then get ``exact_leaders``)."""
+        head = self.lm_head.quant if self.lm_head.qtype is not None else None
+        return head if isinstance(head, quant.QuantTensor) else None
 
     def greedy_tokens(self, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
         """``argmax_checked(compute_logits(hidden), vocab)`` (int64 ``[2 B]``: the logits' finiteness flags, then
         the tokens). With a packed head on the CPU, its exact leaders and the pick are one compiled call after the
         head's product: a step's tail runs with caches the weights just went through, where each torch op costs
-        tens of microseconds."""
-        head = self.lm_head.quant if self.lm_head.qtype is not None else None
-        if isinstance(head, quant.QuantTensor) and self.args.final_softcap is None:
-            logits = self.lm_head(hidden)
-            ops = _packed_head_ops(logits, hidden, head, self.lm_head.bias)
-            if ops is not None and logits.dim() == 2 and hidden.dim() == 2:
-                k = min(HEAD_LEADERS, logits.shape[-1])
-                code = quant.QTYPES[head.qtype]
-                return ops.exact_argmax_checked(logits, hidden, head.data, code, head.shape[1], head.shape[0], k,
-                                                self.lm_head.bias, vocab)  # fmt: skip
-            return argmax_checked(exact_leaders(logits, hidden, head, self.lm_head.bias), vocab)
-        return argmax_checked(self.compute_logits(hidden), vocab)
+        tens of microseconds. (Not under soft-capping, whose tanh can make ties.)"""
+        head = self._head_blocks()
+        ops = None
+        if head is not None and self.args.final_softcap is None:
+            ops = _packed_head_ops(hidden, head, self.lm_head.bias)
+        if ops is None:
+            return argmax_checked(self.compute_logits(hidden), vocab)
+        logits = self.lm_head(hidden)  # the head's product is in hidden's dtype, rows contiguous
+        k = min(HEAD_LEADERS, logits.shape[-1])
+        code = quant.QTYPES[head.qtype]
+        return ops.exact_argmax_checked(logits, hidden, head.data, code, head.shape[1], head.shape[0], k,
+                                        self.lm_head.bias, vocab)  # fmt: skip
 
     def load_weights(
         self,
