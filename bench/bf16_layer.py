@@ -3,8 +3,10 @@
 A layer of a Llama shape (q/k/v, o, gate/up, down) is multiplied at 1 to 256 rows, over two layers' worth of
 distinct weights so that every call reads its weights from memory, not from the caches, as a decode step does:
 
-* ``kernel``: the AVX-512 BF16 kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what
-  the engine runs up to ``linear.BF16_KERNEL_MAX_ROWS`` rows where bfloat16 weights are served plain);
+* ``packed``: the AVX-512 BF16 kernel over the weights packed in pairs of K, q/k/v packed from three parts
+  (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX);
+* ``kernel``: the dot-product kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what the
+  engine runs up to ``linear.BF16_KERNEL_MAX_ROWS`` rows for a head tied to the embedding);
 * ``onednn``: oneDNN on prepacked weights (what the engine runs with AMX, and ran everywhere before);
 * ``F.linear``: on the plain weights (the engine's path above the kernel's rows).
 
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import format_table, machine_summary
-from radixserve.runtime.models.linear import _bf16_kernel
+from radixserve.runtime.models.linear import _bf16_kernel, _bf16_packed_ops
 
 
 def mapped_against_copied(folder: Path, rounds: int = 4) -> None:
@@ -72,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--checkpoint", type=Path, help="time mapped against copied weights of this folder instead")
     args = p.parse_args(argv)
     kernel = _bf16_kernel()
-    if kernel is None:
-        raise SystemExit("the AVX-512 BF16 kernel does not run on this CPU")
+    if kernel is None or _bf16_packed_ops() is None:
+        raise SystemExit("the AVX-512 BF16 kernels do not run on this CPU")
     torch.set_num_threads(args.threads)
     if args.checkpoint is not None:
         mapped_against_copied(args.checkpoint.expanduser())
@@ -88,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                "gate_up": [weight(2 * i, h)], "down": [weight(h, i)]} for _ in range(2)]  # fmt: skip
     plain = [{name: torch.cat(parts) for name, parts in layer.items()} for layer in layers]
     packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
+    pairs_ops = _bf16_packed_ops()
+    pairs = [{name: pairs_ops.pack(parts) for name, parts in layer.items()} for layer in layers] if pairs_ops else []
     none = torch.empty(0)
 
     def run(matmul: Callable[[str, int, torch.Tensor], object], rows: int) -> float:
@@ -99,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return (time.perf_counter() - start) / len(layers)
 
     ways: dict[str, Callable[[str, int, torch.Tensor], object]] = {
+        "packed": lambda name, n, x: pairs_ops.linear(x, pairs[n][name], none),
         "kernel": lambda name, n, x: kernel(x, layers[n][name], none),
         "onednn": lambda name, n, x: torch.ops.mkldnn._linear_pointwise(x, packed[n][name], None, "none", [], ""),
         "F.linear": lambda name, n, x: F.linear(x, plain[n][name]),
@@ -110,10 +115,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name, way in ways.items():
                 run(way, rows)
                 ms[name] = statistics.median(run(way, rows) for _ in range(5)) * 1e3
-            table.append([rows, *(ms[n] for n in ways), *(ms["onednn"] / ms[n] for n in ("kernel", "F.linear"))])
+            speed = (ms["onednn"] / ms[n] for n in ("packed", "kernel", "F.linear"))
+            table.append([rows, *(ms[n] for n in ways), *speed])
     print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads; {machine_summary()}")
-    print(format_table(["rows", "kernel ms", "oneDNN ms", "F.linear ms", "kernel x oneDNN", "F.linear x oneDNN"],
-                       table))  # fmt: skip
+    heads = ["rows", "packed ms", "kernel ms", "oneDNN ms", "F.linear ms"]
+    print(format_table([*heads, "packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN"], table))
 
 
 if __name__ == "__main__":

@@ -156,13 +156,15 @@ def _mapped_ranges(file: Path) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights are packed for oneDNN on this CPU")
-def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
+def test_bfloat16_checkpoints_are_mapped_and_their_linear_weights_packed_from_the_map(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bfloat16 checkpoint's linear and embedding weights are views of the file's map (no copy): gate/up, side
-    by side in the file, as one block; q/k/v, apart (k, o, q, v in name order), as parts. An engine moves them into
-    memory of its own while it serves and lets the map go. Greedy tokens are those of the same weights read into
-    memory."""
+    """A bfloat16 checkpoint is read through the file's map (no copy): each linear weight packs from it in pairs of
+    K (``csrc/bf16_packed.cpp``; q/k/v, apart in the file, as parts in the model's order) and its mapped pages go
+    back; the embedding stays a view of the map until the engine moves it into memory of its own and lets the map
+    go. Greedy tokens are those of the same weights read into memory."""
+    from safetensors.torch import load_file as load_tensors
+
     folder = make_tiny_model(tmp_path / "m", num_layers=2, tie=False, seed=5)
     (file,) = folder.glob("*.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
@@ -174,13 +176,24 @@ def test_bfloat16_weights_served_plain_are_mapped_from_the_file(
         return any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)
 
     layer = model.model.layers[0]
-    assert len(layer.self_attn.qkv_proj._plain_parts) == 3
-    assert all(in_map(p) for p in layer.self_attn.qkv_proj._plain_parts)
-    assert in_map(layer.mlp.gate_up_proj.weight) and not layer.mlp.gate_up_proj._plain_parts
-    assert in_map(layer.self_attn.o_proj.weight) and in_map(model.model.embed_tokens.weight)
+    stored = load_tensors(str(file))
+    for linear, names in (
+        (layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
+        (layer.self_attn.o_proj, ("self_attn.o_proj",)),
+    ):
+        assert linear._released and linear._bf16_packed and not linear._plain_parts
+        assert linear.weight.device.type == "meta" and not in_map(linear._packed)
+        whole = torch.cat([stored[f"model.layers.0.{n}.weight"] for n in names]).float()
+        x = torch.randn(5, whole.shape[1]).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), whole)
+        with torch.inference_mode():
+            got = linear(x).float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert in_map(model.model.embed_tokens.weight) and model.lm_head._bf16_packed
     assert not in_map(layer.input_layernorm.weight)  # read: a norm is not a matrix the kernels read in place
-    assert len(mapped_tensors([model])) == 2 * 6 + 2  # per layer q, k, v, o, gate/up, down; embedding, head
-    del model, layer
+    assert len(mapped_tensors([model])) == 1  # the embedding: every linear weight is packed
+    del model, layer, linear, stored
     gc.collect()
     assert not _mapped_ranges(file), "the map outlived the model"
 

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve.runtime.attention import AttentionMetadata, ExtendSeq, ForwardContext, TorchReferenceBackend
+from radixserve.runtime.cpu_features import native_bf16
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.models import LlamaForCausalLM, ModelArgs
 from radixserve.runtime.weights import iter_weights, load_hf_config
@@ -246,6 +247,45 @@ def test_bfloat16_linear_in_parts_matches_f_linear_at_every_tile_shape() -> None
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item(), msg=str(rows))
     with pytest.raises(ValueError, match="parts make"):
         layer.set_plain_parts(parts[:2])
+
+
+@pytest.mark.skipif("avx512_bf16" not in native_bf16(), reason="the packed bfloat16 kernel needs AVX-512 BF16")
+def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape() -> None:
+    """Where bfloat16 weights are served without oneDNN (AVX-512 BF16, no AMX), releasing the plain weight packs it
+    in pairs of K (``csrc/bf16_packed.cpp``): the layout is the weight's rows in blocks of 16, pair p of each row
+    side by side; a weight in parts packs its parts' blocks in order. The product, with its bias, is F.linear's at
+    every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows) and rows in
+    several chunks (K = 1024: 128 rows a chunk)."""
+    from radixserve.runtime.models.linear import Linear, _bf16_packed_ops, plain_bf16_weights
+
+    ops = _bf16_packed_ops()
+    assert ops is not None, "the packed bfloat16 kernel did not build"
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
+    want = w.view(3, 16, 32, 2).permute(0, 2, 1, 3).reshape(3, 16 * 64)
+    assert torch.equal(ops.pack([w[:32].contiguous(), w[32:].contiguous()]), want)
+
+    sizes, k = (64, 32, 112), 1024  # 4 + 2 + 7 blocks: every run length in either thread's share
+    parts = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n in sizes]
+    bias = torch.randn(sum(sizes), generator=gen).to(torch.bfloat16)
+    layer = Linear(k, sum(sizes), bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.copy_(bias)
+    layer.set_plain_parts(parts)
+    with torch.inference_mode():
+        assert layer.release_plain()
+    assert layer._bf16_packed == plain_bf16_weights()
+    assert layer.weight.device.type == "meta" and not layer._plain_parts and not list(layer.buffers())
+    whole = torch.cat(parts).float()
+    with torch.inference_mode():
+        for rows in (*range(1, 14), 16, 31, 64, 65, 300):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            want = torch.nn.functional.linear(x.float(), whole, bias.float())
+            got = layer(x)
+            assert got.shape == (rows, sum(sizes)) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item(), msg=str(rows))
+        x3 = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(layer(x3), layer(x3.view(6, k)).view(2, 3, -1))
 
 
 def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:

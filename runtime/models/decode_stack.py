@@ -11,8 +11,9 @@ It applies to a step when all of these hold, checked per step (``stack_for``):
 * the model is the plain shared decoder: no q/k norms, full-width RoPE, no windows, attention scales, soft-capping,
   sandwich norms, GELU or routed experts, no forward hooks (tensor parallelism's all-reduces);
 * every projection runs on a kernel the stack can call at this many rows: packed GGUF blocks (``quant_packed``),
-  bfloat16 weights on the AVX-512 BF16 kernel (``bf16_linear``), oneDNN's packed weights (float32, AMX bfloat16;
-  ``mkldnn::_linear_pointwise`` through the dispatcher) or a plain weight (``F.linear``). A weight kept plain beside
+  bfloat16 weights on the AVX-512 BF16 kernels (plain: ``bf16_linear``; packed in pairs: ``bf16_packed``), oneDNN's
+  packed weights (float32, AMX bfloat16; ``mkldnn::_linear_pointwise`` through the dispatcher) or a plain weight
+  (``F.linear``). A weight kept plain beside
   its packed copy (``--keep-plain-weights``) keeps the Python path.
 
 The stack holds the weight tensors, so it is built once the weights are final (at the first decode step) and dropped
@@ -129,8 +130,9 @@ def _linear_op(ds: Any, linear: Linear) -> tuple[Any, int]:
             quantized.shape[1], bias,
         )  # fmt: skip
         return op, rows
-    if linear._released:  # only the packed copy: Linear calls oneDNN at every row count
-        return ds.linear(3, [linear._packed], [], [], linear.in_features, bias), 1 << 30
+    if linear._released:  # only the packed copy: Linear calls its kernel at every row count
+        kind = 4 if linear._bf16_packed else 3
+        return ds.linear(kind, [linear._packed], [], [], linear.in_features, bias), 1 << 30
     weights = list(linear._plain_parts) or [linear.weight]
     if weights[0].dtype == torch.bfloat16 and _bf16_weight_kernel(tuple(weights)) is not None:
         return ds.linear(1, [w.detach() for w in weights], [], [], weights[0].shape[1], bias), bf16_kernel_max_rows()

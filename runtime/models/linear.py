@@ -23,17 +23,17 @@ kernels beat ``F.linear`` (which reaches oneDNN without the reorder) 1.4-2x up t
 rate (``bench/linear_kernels.py``). Without those instructions bfloat16 products are emulated and ``F.linear``
 is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN ops) takes ``F.linear``.
 
-Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed at all
-(``plain_bf16_weights``): ``csrc/bf16_linear.cpp`` multiplies the plain weight, as the checkpoint stores it, read
-in place (the loader maps the file instead of copying it). One layer of the 1B Llama shapes (q/k/v, o, gate/up,
-down; 2 threads; ``bench/bf16_layer.py``), kernel / oneDNN packed / ``F.linear``, ms: 1 row 4.6 / 6.0 / 8.6, 4
-rows 4.0 / 4.8 / 6.7, 16 rows 7.6 / 7.3 / 11.5, 32 rows 13.9 / 13.2 / 15.2, 128 rows 45.9 / 40.4 / 43.6, 256 rows
-96 / 79 / 80. So the kernel serves up to ``BF16_KERNEL_MAX_ROWS`` rows and ``F.linear`` (oneDNN without a reorder
-of its own) the rest: from 1 to 32 rows as fast as the packed kernels or within ~5%, from 33 to ~128 rows 5-20%
-behind them, level from ~256 (prefill chunks); in exchange there is no reorder at load (the reorder was
-most of a 3B model's load time) and no second copy. With AMX, oneDNN's packed kernels run on the tile units and
-stay; the kernel then serves only one to three rows, where it is the faster, for a weight kept plain
-(``--keep-plain-weights``).
+Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed for
+oneDNN (``plain_bf16_weights``). Releasing the plain weight (``release_plain``, which ``prepack`` calls at load)
+packs it in pairs of K instead, the operand layout of ``vdpbf16ps`` (``csrc/bf16_packed.cpp``; a weight in parts,
+q/k/v mapped apart from a file, packs its parts in order), and one kernel multiplies it at every row count: 30 layers
+of SmolLM2's shapes, 2 threads, against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), 1
+row 6.9 against 8.4 ms, 8 rows 8.1 against 8.9, 16 rows 10.1 against 14.2, 64 rows 34 against 47 ms; at prefill
+sizes 1.02-1.05x ``F.linear`` (which reaches oneDNN without a reorder). The pack is a transpose of 16 x 16 words per
+64 bytes, ~3 GB/s. A head tied to the embedding is not packed (its plain weight is the embedding's): up to
+``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which reads the weight in place, and ``F.linear``
+above. With AMX, oneDNN's packed kernels run on the tile units and stay; the dot-product kernel then serves only one
+to three rows, where it is the faster, for a weight kept plain (``--keep-plain-weights``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from radixserve.runtime.cpu_features import native_bf16
 from radixserve.runtime.models import quant
 from radixserve.runtime.models.loading import StagingPool
 from radixserve.runtime.models.quant import QuantParts, QuantTensor
+from radixserve.runtime.safetensors_read import unmap_pages
 
 logger = logging.getLogger("radixserve.model")
 
@@ -98,6 +99,45 @@ def _bf16_weight_kernel(parts: tuple[torch.Tensor, ...]):  # noqa: ANN202
         if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
             return None
     return _bf16_kernel()
+
+
+@functools.cache
+def _bf16_packed_ops():  # noqa: ANN202 - the compiled module or None
+    """``csrc/bf16_packed.cpp`` where it is built for this CPU and agrees with ``F.linear`` (every tile shape)."""
+    if _bf16_kernel() is None:
+        return None
+    from radixserve.runtime.cpu_ext import load_kernels
+
+    kernels = load_kernels()
+    ops = getattr(kernels, "bf16_packed", None)
+    if ops is None or not ops.available:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((112, 64), (112,)))
+    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
+    ok = True
+    with torch.inference_mode():
+        for rows in (1, 3, 13, 70):  # runs of 4 blocks, of 2 and 1; tiles of 8, 4, 2 and 1 rows; prefetching
+            x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
+            want = F.linear(x.float(), w.float(), b.float())
+            tol = 1e-2 * float(want.abs().max())
+            ok &= torch.allclose(ops.linear(x, packed, b).float(), want, rtol=1e-2, atol=tol)
+    if not ok:
+        logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
+        return None
+    return ops
+
+
+def _bf16_packs(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether bfloat16 weight ``parts`` are packed for ``csrc/bf16_packed.cpp`` when released: served plain on this
+    CPU otherwise (``plain_bf16_weights``), on the CPU, shapes its blocks take (K % 32, each N % 16)."""
+    if not plain_bf16_weights() or _bf16_packed_ops() is None:
+        return False
+    return all(
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+        and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0
+        for w in parts
+    )  # fmt: skip
 
 
 @functools.cache
@@ -193,6 +233,8 @@ class Linear(_Quantizable, nn.Linear):
     _small_weights: list[torch.Tensor] | None = None  # what ``_small`` multiplies: the weight, or its parts
     # Only the packed copy is left (``release_plain``): ``weight`` is a meta tensor, ``_packed`` is the weight.
     _released: bool = False
+    # ``_packed`` is in ``csrc/bf16_packed.cpp``'s layout (AVX-512 BF16 without AMX) rather than oneDNN's.
+    _bf16_packed: bool = False
     _pack_allowed: bool = True  # False: this weight is shared (a tied head) and is not packed (see prepack)
     _pack_blocks = True
     # The weight as consecutive blocks of rows (``set_plain_parts``), each a tensor of its own; () when whole.
@@ -270,12 +312,35 @@ class Linear(_Quantizable, nn.Linear):
         where there is no packed copy. Call it only once the weight is final: loaded, sharded, cast."""
         if self._released:
             return True
+        if self._release_to_bf16_packed():
+            return True
         packed = self.pack() if self._eligible() else None
         if packed is None:
             return False
         w = self.weight
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
         self._released, self._small = True, None
+        return True
+
+    def _release_to_bf16_packed(self) -> bool:
+        """Where the bfloat16 weight (its parts) packs for ``csrc/bf16_packed.cpp`` (``_bf16_packs``): pack it, drop
+        the plain weight (a meta parameter of the same shape stays; mapped pages go back, ``unmap_pages``) and
+        return True."""
+        w = self.weight
+        if w is None or not self._pack_allowed or w.device.type == "meta" and not self._plain_parts:
+            return False
+        parts = self._plain_parts or (w,)
+        if not _bf16_packs(parts):
+            return False
+        with torch.inference_mode():
+            packed = _bf16_packed_ops().pack([p.detach() for p in parts])
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        for i in range(len(self._plain_parts)):
+            del self._buffers[f"wpart{i}"]
+        self._plain_parts = ()
+        self._packed, self._bf16_packed, self._released, self._small = packed, True, True, None
+        for p in parts:
+            unmap_pages(p)  # a part mapped from the checkpoint: its pages leave the resident set
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,6 +351,11 @@ class Linear(_Quantizable, nn.Linear):
                 return y if self.bias is None else y + self.bias
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         if self._released:
+            if self._bf16_packed:
+                shape = x.shape
+                bias = self.bias if self.bias is not None else _NO_BIAS
+                y = _bf16_packed_ops().linear(x.reshape(-1, shape[-1]).contiguous(), self._packed, bias)
+                return y.view(*shape[:-1], y.shape[-1])
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         parts = self._plain_parts
         w = self.weight

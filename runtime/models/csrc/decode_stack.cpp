@@ -32,7 +32,7 @@ const c10::OperatorHandle& onednn_linear() {
 // A linear layer as the Python Linear would run it at these rows.
 struct LinearOp {
   // 0: packed blocks (quant_packed; one call per part, outputs side by side), 1: bfloat16 parts (bf16_linear),
-  // 2: a plain weight (at::linear), 3: a oneDNN-packed weight.
+  // 2: a plain weight (at::linear), 3: a oneDNN-packed weight, 4: a bfloat16 weight packed in pairs (bf16_packed).
   int64_t kind = 0;
   std::vector<torch::Tensor> weights;
   std::vector<int64_t> types, outs;  // kind 0: each part's block type and output size
@@ -53,6 +53,7 @@ struct LinearOp {
       return bias.defined() ? y + bias : y;
     }
     if (kind == 1) return radixserve_bf16_linear::linear(x, weights, bias.defined() ? bias : torch::Tensor());
+    if (kind == 4) return radixserve_bf16_packed::linear(x, weights[0], bias.defined() ? bias : torch::Tensor());
     if (kind == 3) {
       std::vector<c10::IValue> stack{x, weights[0], bias.defined() ? c10::IValue(bias) : c10::IValue(),
                                      std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
@@ -65,7 +66,7 @@ struct LinearOp {
 
 LinearOp make_linear(int64_t kind, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                      std::vector<int64_t> outs, int64_t in, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 3 && !weights.empty(), "decode_stack: linear kind 0-3 with weights");
+  TORCH_CHECK(kind >= 0 && kind <= 4 && !weights.empty(), "decode_stack: linear kind 0-4 with weights");
   TORCH_CHECK(kind != 0 || (types.size() == weights.size() && outs.size() == weights.size()),
               "decode_stack: a block type and an output size per packed part");
   LinearOp op;

@@ -1,0 +1,233 @@
+// y = x @ w^T (+ bias) for bfloat16 on CPU with AVX-512 BF16, over a weight packed once into pairs of K (the
+// operand layout of vdpbf16ps), at any number of rows.
+//
+// Layout (``pack``): the weight's rows (output channels) in blocks of 16; a block is K/2 vectors of 64 bytes, vector
+// p holding, for each of the block's 16 channels, its weights at k = 2p and 2p + 1 side by side. A weight given in
+// parts (q, k, v) packs into one tensor, the parts' blocks one after another. The product then needs no horizontal
+// sums: for each pair p, one 32-bit broadcast of x[i][2p : 2p + 2] times block vector p adds two products to each of
+// 16 float32 lanes, one lane per output channel:
+//   acc[i][b] (16 lanes) += vdpbf16ps(w[b][p], broadcast(x[i][2p], x[i][2p + 1]))  over p;
+// tiles of MR rows by NB blocks keep MR x NB accumulators in registers (6x4, 4x4, 2x4, 1x4), the bias is added in
+// float32 and the result rounded once. Against the dot-product kernel over the plain weight (bf16_linear.cpp),
+// whose dot products end in a butterfly of 16 lanes and whose tiles of 16 rows read the block's rows as 16 streams,
+// a block here is one stream and a tile is nothing but loads, broadcasts and vdpbf16ps: 228-232 GFLOP/s a core on
+// the 2-core Zen 4 (its vdpbf16ps rate measured 230), against 143-190 for the dot-product tiles (bench/bf16_layer.py
+// measures layers). Sums are float32, in an order of their own: results differ from F.linear's in rounding only.
+// Layouts: x [M, K] bfloat16 contiguous, K % 32 == 0; packed [N / 16, K * 16] bfloat16; bias [N] bfloat16 or empty.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "../../csrc/simd.h"
+
+namespace radixserve_bf16_packed {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+namespace {
+
+using radixserve_simd::bf16;
+
+// Rows 0-15 of a block, 16 pairs each (64 bytes from w + r * K + k), transposed: out[p] holds pair p of each row.
+inline void transpose16(const bf16* w, int64_t K, int64_t k, __m512i* out) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(w + i * K + k);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    out[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    out[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+// The next run of blocks (one range of memory), fetched into L2 a few 64-byte lines per step of the current run's
+// tiles, so that streaming the weight overlaps the arithmetic.
+struct Prefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+  inline void step() {
+    for (int q = 0; q < per_step && next < end; ++q, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+// y[i][16 b + c] = x[i] . w_b[c] (+ bias) for MR rows of x and the NB blocks at w[0 .. NB).
+template <int MR, int NB>
+inline void tile(const bf16* x, int64_t K, const bf16* const* w, bf16* y, int64_t ldy, const float* const* bias,
+                 Prefetch& pf) {
+  __m512 acc[MR * NB];
+  for (int i = 0; i < MR * NB; ++i) acc[i] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);
+  for (int64_t p = 0; p < K / 2; ++p) {
+    pf.step();
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w[b] + 32 * p);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[i * (K / 2) + p]);
+      for (int b = 0; b < NB; ++b) acc[i * NB + b] = _mm512_dpbf16_ps(acc[i * NB + b], wv[b], xb);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) {
+      const __m512 v = bias[b] ? _mm512_add_ps(acc[i * NB + b], _mm512_loadu_ps(bias[b])) : acc[i * NB + b];
+      radixserve_simd::store16(y + i * ldy + 16 * b, v);
+    }
+}
+
+// Tile calls for M rows against a run of NB blocks (see rows).
+inline int64_t tiles(int64_t M, int64_t NB) {
+  if (NB == 4) return M / 6 + M % 6 / 4 + M % 6 % 4 / 2 + M % 2;
+  return M / 8 + M % 8 / 4 + M % 4 / 2 + M % 2;
+}
+
+// Rows [0, M) of x against the NB blocks starting at block n (a run of NB consecutive blocks), while the `ahead`
+// blocks after them are prefetched. Runs of 4 blocks take tiles of 6 rows (24 accumulators: 4 weight loads and 6
+// broadcasts a step for 24 products), shorter runs (a thread's last blocks) tiles of 8.
+template <int NB>
+void rows(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t n, bf16* y, int64_t N, const float* bias,
+          int64_t ahead) {
+  Prefetch pf;
+  pf.next = reinterpret_cast<const char*>(packed + (n + NB) * 16 * K);
+  pf.end = pf.next + ahead * 16 * K * 2;
+  const int64_t lines = ahead * 16 * K * 2 / 64, steps = tiles(M, NB) * (K / 2);
+  pf.per_step = static_cast<int>((lines + steps - 1) / steps);
+  const bf16* w[NB];
+  const float* bb[NB];
+  for (int b = 0; b < NB; ++b) {
+    w[b] = packed + (n + b) * 16 * K;
+    bb[b] = bias ? bias + 16 * (n + b) : nullptr;
+  }
+  bf16* yn = y + 16 * n;
+  int64_t m = 0;
+  if constexpr (NB == 4) {
+    for (; m + 6 <= M; m += 6) tile<6, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+  } else {
+    for (; m + 8 <= M; m += 8) tile<8, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+  }
+  for (; m + 4 <= M; m += 4) tile<4, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+  for (; m + 2 <= M; m += 2) tile<2, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+  for (; m < M; ++m) tile<1, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+}
+
+}  // namespace
+
+constexpr bool AVAILABLE = true;
+
+torch::Tensor pack(std::vector<torch::Tensor> parts) {
+  TORCH_CHECK(!parts.empty(), "bf16_packed: no weight");
+  const int64_t K = parts[0].size(1);
+  int64_t blocks = 0;
+  for (const auto& w : parts) {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) == K && w.is_contiguous() &&
+                    w.size(0) % 16 == 0 && K % 32 == 0,
+                "bf16_packed: each weight part [N_i, K] bfloat16, contiguous, N_i % 16 == 0, K % 32 == 0");
+    blocks += w.size(0) / 16;
+  }
+  auto out = torch::empty({blocks, K * 16}, parts[0].options());
+  std::vector<const bf16*> src;
+  for (const auto& w : parts)
+    for (int64_t r = 0; r < w.size(0); r += 16) src.push_back(w.data_ptr<bf16>() + r * K);
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    __m512i v[16];
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t k = 0; k < K; k += 32) {
+        transpose16(src[b], K, k, v);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + b * 16 * K + (k + 2 * p) * 16, v[p]);
+      }
+  });
+  return out;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "bf16_packed: x [M, K] bfloat16, contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(1) == 16 * K &&
+                  packed.is_contiguous() && K % 32 == 0,
+              "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's), K % 32 == 0");
+  const int64_t blocks = packed.size(0), N = 16 * blocks;
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kBFloat16 && bias.numel() == N && bias.is_contiguous()),
+              "bf16_packed: bias [N] bfloat16");
+  std::vector<float> bias_f(has_bias ? N : 0);
+  if (has_bias) {
+    const bf16* bp = bias.data_ptr<bf16>();
+    for (int64_t i = 0; i < N; ++i) bias_f[i] = static_cast<float>(bp[i]);
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* wp = packed.data_ptr<bf16>();
+  bf16* yp = y.data_ptr<bf16>();
+  const float* bp = has_bias ? bias_f.data() : nullptr;
+  // Rows go in chunks whose x stays in L2 (~256 KB) while the blocks pass over it. The work is every (chunk,
+  // block) pair, chunk by chunk; each thread takes a contiguous range of it (the same number of blocks: at one row,
+  // the same bytes to stream) and multiplies its blocks of a chunk in runs of 4.
+  // Chunks of equal size (a thread's share is counted in blocks, each of a chunk's rows).
+  const int64_t most = std::max<int64_t>(6, 262144 / (2 * K)), chunks = (M + most - 1) / most;
+  const int64_t chunk = (M + chunks - 1) / chunks;
+  // Prefetching the next run pays from 4 to 64 rows (1.1-1.3x, 30 layers of SmolLM2's shapes, 2 threads); at 1-3
+  // rows the hardware's stream prefetch does better alone (0.94x with it), and above 64 the blocks are read from
+  // L2 by many tiles anyway (0.97x at 512 rows).
+  const bool prefetch = M >= 4 && M <= 64;
+  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end;) {
+      const int64_t c = t / blocks, b0 = t % blocks, b1 = std::min(blocks, b0 + end - t);
+      const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
+      const bf16* xc = xp + m0 * K;
+      bf16* yc = yp + m0 * N;
+      for (int64_t n = b0; n < b1;) {
+        const int64_t left = b1 - n, nb = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+        const int64_t ahead = prefetch ? std::min<int64_t>(4, left - nb) : 0;  // this thread's next run
+        if (nb == 4) {
+          rows<4>(xc, mc, K, wp, n, yc, N, bp, ahead);
+        } else if (nb == 2) {
+          rows<2>(xc, mc, K, wp, n, yc, N, bp, ahead);
+        } else {
+          rows<1>(xc, mc, K, wp, n, yc, N, bp, ahead);
+        }
+        n += nb;
+      }
+      t += b1 - b0;
+    }
+  });
+  return y;
+}
+
+#else
+constexpr bool AVAILABLE = false;
+
+torch::Tensor pack(std::vector<torch::Tensor>) {
+  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
+  return {};
+}
+
+torch::Tensor linear(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
+  return {};
+}
+#endif
+
+}  // namespace radixserve_bf16_packed
+
+void register_bf16_packed(pybind11::module_& parent) {
+  auto m = parent.def_submodule("bf16_packed");
+  m.attr("available") = radixserve_bf16_packed::AVAILABLE;
+  m.def("pack", &radixserve_bf16_packed::pack, "bfloat16 weight parts [N_i, K] packed in pairs of K for linear",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &radixserve_bf16_packed::linear, "bfloat16 x @ w^T (+ bias) over pack's layout (AVX-512 BF16)",
+        py::call_guard<py::gil_scoped_release>());
+}
