@@ -214,14 +214,40 @@ def test_bfloat16_checkpoints_are_mapped_and_their_linear_weights_packed_from_th
 
 
 @pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights are packed for oneDNN on this CPU")
-def test_a_tied_head_moves_with_its_embedding(tmp_path: Path) -> None:
-    """The mover swaps a tensor in all its owners at once: a head tied to the embedding stays the embedding."""
+def test_a_tied_head_packs_for_its_embedding_too(tmp_path: Path) -> None:
+    """A head tied to the embedding packs in pairs like any linear weight, and the embedding looks its rows up in
+    that one packed copy (the file's rows, bit for bit): nothing is left mapped, nothing moves."""
     folder = make_tiny_model(tmp_path / "m", num_layers=1, tie=True, seed=6)
+    (file,) = folder.glob("*.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
+    stored = load_file(file)["model.embed_tokens.weight"].clone()
+    engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", max_total_tokens=256)
+    try:
+        model = engine.core.runner.model
+        embed = model.model.embed_tokens
+        assert model.lm_head._bf16_packed and embed._bf16_rows is model.lm_head._packed
+        assert engine.weight_mover.done.wait(30) and engine.weight_mover.moved_bytes == 0
+        assert not mapped_tensors([model])
+        ids = torch.tensor([[0, 5, stored.shape[0] - 1], [17, 16, 15]])
+        assert torch.equal(embed(ids), stored[ids])
+        with pytest.raises(RuntimeError, match="out of range"):
+            embed(torch.tensor([stored.shape[0]]))
+        assert _greedy(engine, ["The quick brown fox"])[0]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights are packed for oneDNN on this CPU")
+def test_a_tied_head_that_stays_plain_moves_with_its_embedding(tmp_path: Path) -> None:
+    """The mover swaps a tensor in all its owners at once: a tied head that does not pack (a vocabulary that is not
+    a multiple of 16) stays the embedding."""
+    folder = make_tiny_model(tmp_path / "m", num_layers=1, tie=True, seed=6, vocab_size_hint=501)
     (file,) = folder.glob("*.safetensors")
     save_file({k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, str(file), metadata={"format": "pt"})
     engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", max_total_tokens=256)
     try:
         model = engine.core.runner.model
+        assert model.model.embed_tokens.weight.shape[0] % 16, "the vocabulary must not pack"
         assert engine.weight_mover.done.wait(30) and engine.weight_mover.moved_bytes > 0
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert not mapped_tensors([model])

@@ -312,7 +312,7 @@ class Linear(_Quantizable, nn.Linear):
         where there is no packed copy. Call it only once the weight is final: loaded, sharded, cast."""
         if self._released:
             return True
-        if self._release_to_bf16_packed():
+        if self._pack_allowed and self._release_to_bf16_packed():
             return True
         packed = self.pack() if self._eligible() else None
         if packed is None:
@@ -327,7 +327,7 @@ class Linear(_Quantizable, nn.Linear):
         the plain weight (a meta parameter of the same shape stays; mapped pages go back, ``unmap_pages``) and
         return True."""
         w = self.weight
-        if w is None or not self._pack_allowed or w.device.type == "meta" and not self._plain_parts:
+        if w is None or w.device.type == "meta" and not self._plain_parts:
             return False
         parts = self._plain_parts or (w,)
         if not _bf16_packs(parts):
@@ -380,14 +380,26 @@ class Linear(_Quantizable, nn.Linear):
 
 class Embedding(_Quantizable, nn.Embedding):
     """``nn.Embedding`` without random initialization, for the same reason as ``Linear``; its weight may be kept in
-    GGUF blocks, of which a lookup unpacks only the rows it reads."""
+    GGUF blocks, of which a lookup unpacks only the rows it reads, or be the packed weight of its tied head
+    (``read_packed_rows``)."""
+
+    _bf16_rows: torch.Tensor | None = None  # the tied head's weight packed in pairs (csrc/bf16_packed.cpp)
 
     def reset_parameters(self) -> None:
         pass
 
+    def read_packed_rows(self, packed: torch.Tensor) -> None:
+        """Look rows up in ``packed``, the tied head's bfloat16 weight packed in pairs of K (the same values), and
+        let the plain weight go (a meta parameter of its shape stays): the model holds the matrix once."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self._bf16_rows = packed
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return quant.embedding(ids, self.quant)  # type: ignore[arg-type]
+        if self._bf16_rows is not None:
+            return _bf16_packed_ops().rows(self._bf16_rows, ids)
         return super().forward(ids)
 
 
@@ -445,6 +457,13 @@ def prepack(model: nn.Module, *, keep_plain: bool = False) -> None:
         for p in m.parameters(recurse=False)
         if p.device.type != "meta"
     }
+    # A head tied to a plain embedding (the same parameter) that packs in pairs of K: the embedding reads its rows
+    # from the packed copy instead (``Embedding.read_packed_rows``), so that the head too runs the packed kernel.
+    tied = {
+        id(m.weight): m
+        for m in model.modules()
+        if type(m) is Embedding and m.qtype is None and m.weight is not None and m.weight.device.type != "meta"
+    }
     with torch.inference_mode():
         for module in model.modules():
             if not isinstance(module, Linear) or module.qtype is not None:
@@ -452,7 +471,10 @@ def prepack(model: nn.Module, *, keep_plain: bool = False) -> None:
             if module._released:
                 continue
             module._pack_allowed = keep_plain or module.weight.data_ptr() not in shared
-            if keep_plain or not module._pack_allowed:
+            embedding = tied.get(id(module.weight))
+            if not keep_plain and embedding is not None and module._release_to_bf16_packed():
+                embedding.read_packed_rows(module._packed)
+            elif keep_plain or not module._pack_allowed:
                 module.pack()  # (drops a stale packed copy where packing is no longer allowed)
             else:
                 module.release_plain()

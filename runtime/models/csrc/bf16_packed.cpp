@@ -207,8 +207,39 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
   return y;
 }
 
+// Rows `ids` of a packed weight, as the plain weight holds them: the lookups of an embedding whose tied head is
+// packed. Row r is lane r % 16 of block r / 16, one 32-bit pair every 64 bytes.
+torch::Tensor rows(torch::Tensor packed, torch::Tensor ids) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) % 32 == 0,
+              "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's)");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64, "bf16_packed: ids int64");
+  const int64_t K = packed.size(1) / 16, N = packed.size(0) * 16;
+  auto flat = ids.contiguous().view(-1);
+  const int64_t T = flat.size(0);
+  const int64_t* ip = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "index ", ip[t], " is out of range for ", N, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  auto out = torch::empty(shape, packed.options());
+  const int32_t* src = reinterpret_cast<const int32_t*>(packed.data_ptr<bf16>());
+  int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr<bf16>());
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int32_t* row = src + (ip[t] / 16) * 8 * K + ip[t] % 16;
+      for (int64_t p = 0; p < K / 2; ++p) dst[t * (K / 2) + p] = row[16 * p];
+    }
+  });
+  return out;
+}
+
 #else
 constexpr bool AVAILABLE = false;
+
+torch::Tensor rows(torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
+  return {};
+}
 
 torch::Tensor pack(std::vector<torch::Tensor>) {
   TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
@@ -227,6 +258,8 @@ void register_bf16_packed(pybind11::module_& parent) {
   auto m = parent.def_submodule("bf16_packed");
   m.attr("available") = radixserve_bf16_packed::AVAILABLE;
   m.def("pack", &radixserve_bf16_packed::pack, "bfloat16 weight parts [N_i, K] packed in pairs of K for linear",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rows", &radixserve_bf16_packed::rows, "rows of a packed weight, as the plain weight holds them",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &radixserve_bf16_packed::linear, "bfloat16 x @ w^T (+ bias) over pack's layout (AVX-512 BF16)",
         py::call_guard<py::gil_scoped_release>());
