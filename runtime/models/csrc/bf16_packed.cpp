@@ -17,6 +17,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <thread>
+#include <vector>
+
 #include "../../csrc/simd.h"
 
 namespace radixserve_bf16_packed {
@@ -125,7 +129,9 @@ void rows(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t n, bf
 
 constexpr bool AVAILABLE = true;
 
-torch::Tensor pack(std::vector<torch::Tensor> parts) {
+// On `threads` threads of its own (std::thread, not OpenMP: the loader calls it, and another OpenMP team beside the
+// engine thread's would slow every decode step; see runtime/threads.py's one_intra_op_thread).
+torch::Tensor pack(std::vector<torch::Tensor> parts, int64_t threads) {
   TORCH_CHECK(!parts.empty(), "bf16_packed: no weight");
   const int64_t K = parts[0].size(1);
   int64_t blocks = 0;
@@ -140,14 +146,19 @@ torch::Tensor pack(std::vector<torch::Tensor> parts) {
   for (const auto& w : parts)
     for (int64_t r = 0; r < w.size(0); r += 16) src.push_back(w.data_ptr<bf16>() + r * K);
   bf16* dst = out.data_ptr<bf16>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  auto work = [&](int64_t begin, int64_t end) {
     __m512i v[16];
     for (int64_t b = begin; b < end; ++b)
       for (int64_t k = 0; k < K; k += 32) {
         transpose16(src[b], K, k, v);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(dst + b * 16 * K + (k + 2 * p) * 16, v[p]);
       }
-  });
+  };
+  const int64_t n = std::max<int64_t>(1, std::min(threads, blocks));
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < n; ++i) pool.emplace_back(work, blocks * i / n, blocks * (i + 1) / n);
+  work(0, blocks / n);
+  for (auto& t : pool) t.join();
   return out;
 }
 
@@ -241,7 +252,7 @@ torch::Tensor rows(torch::Tensor, torch::Tensor) {
   return {};
 }
 
-torch::Tensor pack(std::vector<torch::Tensor>) {
+torch::Tensor pack(std::vector<torch::Tensor>, int64_t) {
   TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
   return {};
 }
@@ -258,7 +269,7 @@ void register_bf16_packed(pybind11::module_& parent) {
   auto m = parent.def_submodule("bf16_packed");
   m.attr("available") = radixserve_bf16_packed::AVAILABLE;
   m.def("pack", &radixserve_bf16_packed::pack, "bfloat16 weight parts [N_i, K] packed in pairs of K for linear",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("parts"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());
   m.def("rows", &radixserve_bf16_packed::rows, "rows of a packed weight, as the plain weight holds them",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &radixserve_bf16_packed::linear, "bfloat16 x @ w^T (+ bias) over pack's layout (AVX-512 BF16)",
