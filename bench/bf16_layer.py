@@ -1,7 +1,8 @@
 """One decoder layer's bfloat16 projections, streamed from memory: the kernels the engine may serve them with.
 
-A layer of a Llama shape (q/k/v, o, gate/up, down) is multiplied at 1 to 256 rows, over two layers' worth of
-distinct weights so that every call reads its weights from memory, not from the caches, as a decode step does:
+A layer of a Llama shape (q/k/v, o, gate/up, down) is multiplied at 1 to 256 rows, over ``--layers`` layers' worth
+of distinct weights (2 by default; more for small shapes, which the caches would hold) so that every call reads its
+weights from memory, not from the caches, as a decode step does:
 
 * ``packed``: the AVX-512 BF16 kernel over the weights packed in pairs of K, q/k/v packed from three parts
   (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX);
@@ -18,6 +19,7 @@ memory, alternating (why the engine moves mapped weights into memory of its own:
 
     python -m bench.bf16_layer                      # the 1B Llama shape (hidden 2048, MLP 8192, 8 KV heads)
     python -m bench.bf16_layer --hidden 3072 --intermediate 8192
+    python -m bench.bf16_layer --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30   # SmolLM2-135M
     python -m bench.bf16_layer --checkpoint ~/.cache/radixserve/bench-models/random-llama-1b
 """
 
@@ -69,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--kv-dim", type=int, default=512, help="KV heads x head dim")
+    p.add_argument("--layers", type=int, default=2, help="layers of distinct weights, each call its own")
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint", type=Path, help="time mapped against copied weights of this folder instead")
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
 
     layers = [{"qkv": [weight(h, h), weight(kv, h), weight(kv, h)], "o": [weight(h, h)],
-               "gate_up": [weight(2 * i, h)], "down": [weight(h, i)]} for _ in range(2)]  # fmt: skip
+               "gate_up": [weight(2 * i, h)], "down": [weight(h, i)]} for _ in range(args.layers)]  # fmt: skip
     plain = [{name: torch.cat(parts) for name, parts in layer.items()} for layer in layers]
     packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
     pairs_ops = _bf16_packed_ops()
@@ -100,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for n in range(len(layers)):
             for name in ("qkv", "o", "gate_up", "down"):
                 matmul(name, n, xs[i if name == "down" else h])
-        return (time.perf_counter() - start) / len(layers)
+        return (time.perf_counter() - start) / len(layers)  # per layer
 
     ways: dict[str, Callable[[str, int, torch.Tensor], object]] = {
         "packed": lambda name, n, x: pairs_ops.linear(x, pairs[n][name], none),

@@ -250,12 +250,13 @@ def test_bfloat16_linear_in_parts_matches_f_linear_at_every_tile_shape() -> None
 
 
 @pytest.mark.skipif("avx512_bf16" not in native_bf16(), reason="the packed bfloat16 kernel needs AVX-512 BF16")
-def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape() -> None:
+@pytest.mark.parametrize("k", [1024, 2112])
+def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape(k: int) -> None:
     """Where bfloat16 weights are served without oneDNN (AVX-512 BF16, no AMX), releasing the plain weight packs it
     in pairs of K (``csrc/bf16_packed.cpp``): the layout is the weight's rows in blocks of 16, pair p of each row
     side by side; a weight in parts packs its parts' blocks in order. The product, with its bias, is F.linear's at
-    every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows) and rows in
-    several chunks (K = 1024: 128 rows a chunk)."""
+    every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows), K in slices
+    of 2,048 above 64 rows (2,112: a slice and a ragged one) and rows in several chunks (2,112: 496 a chunk)."""
     from radixserve.runtime.models.linear import Linear, _bf16_packed_ops, plain_bf16_weights
 
     ops = _bf16_packed_ops()
@@ -263,9 +264,10 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
     want = w.view(3, 16, 32, 2).permute(0, 2, 1, 3).reshape(3, 16 * 64)
-    assert torch.equal(ops.pack([w[:32].contiguous(), w[32:].contiguous()]), want)
+    for threads in (1, 2, 5):
+        assert torch.equal(ops.pack([w[:32].contiguous(), w[32:].contiguous()], threads), want)
 
-    sizes, k = (64, 32, 112), 1024  # 4 + 2 + 7 blocks: every run length in either thread's share
+    sizes = (64, 32, 112)  # 4 + 2 + 7 blocks: every run length in either thread's share
     parts = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n in sizes]
     bias = torch.randn(sum(sizes), generator=gen).to(torch.bfloat16)
     layer = Linear(k, sum(sizes), bias=True).to(torch.bfloat16)
@@ -278,7 +280,7 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     assert layer.weight.device.type == "meta" and not layer._plain_parts and not list(layer.buffers())
     whole = torch.cat(parts).float()
     with torch.inference_mode():
-        for rows in (*range(1, 14), 16, 31, 64, 65, 300):
+        for rows in (*range(1, 14), 16, 31, 64, 65, 300, 1000):
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
             want = torch.nn.functional.linear(x.float(), whole, bias.float())
             got = layer(x)

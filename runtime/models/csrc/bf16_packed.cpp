@@ -67,14 +67,23 @@ struct Prefetch {
   }
 };
 
-// y[i][16 b + c] = x[i] . w_b[c] (+ bias) for MR rows of x and the NB blocks at w[0 .. NB).
+// A slice of K: its first pair, its pairs, and whether it is the first or the last of K (a whole K is both). A
+// tile over a slice that is not the whole K keeps its float32 sums in `part` between slices.
+struct Slice {
+  int64_t p0, np;
+  bool first, last;
+};
+
+// y[i][16 b + c] = x[i] . w_b[c] (+ bias) for MR rows of x (row stride K) and the NB blocks at w[0 .. NB), over the
+// pairs of slice `s`; `part` (rows of 16 NB floats) holds the sums between slices.
 template <int MR, int NB>
-inline void tile(const bf16* x, int64_t K, const bf16* const* w, bf16* y, int64_t ldy, const float* const* bias,
-                 Prefetch& pf) {
+inline void tile(const bf16* x, int64_t K, const bf16* const* w, const Slice& s, bf16* y, int64_t ldy,
+                 const float* const* bias, float* part, Prefetch& pf) {
   __m512 acc[MR * NB];
-  for (int i = 0; i < MR * NB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < MR * NB; ++i)
+    acc[i] = s.first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (i / NB) * 16 * NB + 16 * (i % NB));
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);
-  for (int64_t p = 0; p < K / 2; ++p) {
+  for (int64_t p = s.p0; p < s.p0 + s.np; ++p) {
     pf.step();
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w[b] + 32 * p);
@@ -85,6 +94,10 @@ inline void tile(const bf16* x, int64_t K, const bf16* const* w, bf16* y, int64_
   }
   for (int i = 0; i < MR; ++i)
     for (int b = 0; b < NB; ++b) {
+      if (!s.last) {
+        _mm512_storeu_ps(part + i * 16 * NB + 16 * b, acc[i * NB + b]);
+        continue;
+      }
       const __m512 v = bias[b] ? _mm512_add_ps(acc[i * NB + b], _mm512_loadu_ps(bias[b])) : acc[i * NB + b];
       radixserve_simd::store16(y + i * ldy + 16 * b, v);
     }
@@ -96,16 +109,17 @@ inline int64_t tiles(int64_t M, int64_t NB) {
   return M / 8 + M % 8 / 4 + M % 4 / 2 + M % 2;
 }
 
-// Rows [0, M) of x against the NB blocks starting at block n (a run of NB consecutive blocks), while the `ahead`
-// blocks after them are prefetched. Runs of 4 blocks take tiles of 6 rows (24 accumulators: 4 weight loads and 6
-// broadcasts a step for 24 products), shorter runs (a thread's last blocks) tiles of 8.
+// Rows [0, M) of x against the NB blocks starting at block n (a run of NB consecutive blocks) over slice `s`, while
+// the `ahead` blocks after them are prefetched (whole-K slices only). Runs of 4 blocks take tiles of 6 rows (24
+// accumulators: 4 weight loads and 6 broadcasts a step for 24 products), shorter runs (a thread's last blocks)
+// tiles of 8. `part`: M rows of 16 NB floats, the sums between slices.
 template <int NB>
-void rows(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t n, bf16* y, int64_t N, const float* bias,
-          int64_t ahead) {
+void rows(const bf16* x, int64_t M, int64_t K, const Slice& s, const bf16* packed, int64_t n, bf16* y, int64_t N,
+          const float* bias, int64_t ahead, float* part) {
   Prefetch pf;
   pf.next = reinterpret_cast<const char*>(packed + (n + NB) * 16 * K);
   pf.end = pf.next + ahead * 16 * K * 2;
-  const int64_t lines = ahead * 16 * K * 2 / 64, steps = tiles(M, NB) * (K / 2);
+  const int64_t lines = ahead * 16 * K * 2 / 64, steps = tiles(M, NB) * s.np;
   pf.per_step = static_cast<int>((lines + steps - 1) / steps);
   const bf16* w[NB];
   const float* bb[NB];
@@ -114,15 +128,16 @@ void rows(const bf16* x, int64_t M, int64_t K, const bf16* packed, int64_t n, bf
     bb[b] = bias ? bias + 16 * (n + b) : nullptr;
   }
   bf16* yn = y + 16 * n;
+  const int64_t lp = 16 * NB;  // floats a row of `part`
   int64_t m = 0;
   if constexpr (NB == 4) {
-    for (; m + 6 <= M; m += 6) tile<6, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+    for (; m + 6 <= M; m += 6) tile<6, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
   } else {
-    for (; m + 8 <= M; m += 8) tile<8, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+    for (; m + 8 <= M; m += 8) tile<8, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
   }
-  for (; m + 4 <= M; m += 4) tile<4, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
-  for (; m + 2 <= M; m += 2) tile<2, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
-  for (; m < M; ++m) tile<1, NB>(x + m * K, K, w, yn + m * N, N, bb, pf);
+  for (; m + 4 <= M; m += 4) tile<4, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
+  for (; m + 2 <= M; m += 2) tile<2, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
+  for (; m < M; ++m) tile<1, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
 }
 
 }  // namespace
@@ -184,17 +199,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const float* bp = has_bias ? bias_f.data() : nullptr;
-  // Rows go in chunks whose x stays in L2 (~256 KB) while the blocks pass over it. The work is every (chunk,
-  // block) pair, chunk by chunk; each thread takes a contiguous range of it (the same number of blocks: at one row,
-  // the same bytes to stream) and multiplies its blocks of a chunk in runs of 4.
-  // Chunks of equal size (a thread's share is counted in blocks, each of a chunk's rows).
-  const int64_t most = std::max<int64_t>(6, 262144 / (2 * K)), chunks = (M + most - 1) / most;
+  // Rows go in chunks of at most ~2 MB of x (in L3) while the blocks pass over it, and above 64 rows K in slices of
+  // 2,048 (a run of 4 blocks' slice, 256 KB, stays in L2 for the chunk's tiles; the sums wait in float32 between
+  // slices). The work is every (chunk, block) pair, chunk by chunk, the chunks equal; each thread takes a
+  // contiguous range of it (the same number of blocks: at one row, the same bytes to stream) and multiplies its
+  // blocks of a chunk in runs of 4. (Chunks of 256 KB of x and whole K ran the 1B shape's 256 rows at 0.9x oneDNN:
+  // a chunk of 16 rows for K = 8,192 re-read the weights from memory 16 times.)
+  const int64_t most = std::max<int64_t>(6, (int64_t{2} << 20) / (2 * K)), chunks = (M + most - 1) / most;
   const int64_t chunk = (M + chunks - 1) / chunks;
+  const int64_t kc = M > 64 && K > 2048 ? 2048 : K, slices = (K + kc - 1) / kc;
   // Prefetching the next run pays from 4 to 64 rows (1.1-1.3x, 30 layers of SmolLM2's shapes, 2 threads); at 1-3
   // rows the hardware's stream prefetch does better alone (0.94x with it), and above 64 the blocks are read from
   // L2 by many tiles anyway (0.97x at 512 rows).
   const bool prefetch = M >= 4 && M <= 64;
   at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> part(slices > 1 ? chunk * 64 : 0);
     for (int64_t t = begin; t < end;) {
       const int64_t c = t / blocks, b0 = t % blocks, b1 = std::min(blocks, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
@@ -202,13 +221,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
       bf16* yc = yp + m0 * N;
       for (int64_t n = b0; n < b1;) {
         const int64_t left = b1 - n, nb = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
-        const int64_t ahead = prefetch ? std::min<int64_t>(4, left - nb) : 0;  // this thread's next run
-        if (nb == 4) {
-          rows<4>(xc, mc, K, wp, n, yc, N, bp, ahead);
-        } else if (nb == 2) {
-          rows<2>(xc, mc, K, wp, n, yc, N, bp, ahead);
-        } else {
-          rows<1>(xc, mc, K, wp, n, yc, N, bp, ahead);
+        const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(4, left - nb) : 0;  // next run
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          const Slice s{sl * kc / 2, std::min(kc, K - sl * kc) / 2, sl == 0, sl == slices - 1};
+          if (nb == 4) {
+            rows<4>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+          } else if (nb == 2) {
+            rows<2>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+          } else {
+            rows<1>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+          }
         }
         n += nb;
       }
