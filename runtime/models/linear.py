@@ -30,10 +30,11 @@ q/k/v mapped apart from a file, packs its parts in order), and one kernel multip
 of SmolLM2's shapes, 2 threads, against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), 1
 row 6.9 against 8.4 ms, 8 rows 8.1 against 8.9, 16 rows 10.1 against 14.2, 64 rows 34 against 47 ms; at prefill
 sizes 1.02-1.05x ``F.linear`` (which reaches oneDNN without a reorder). The pack is a transpose of 16 x 16 words per
-64 bytes, ~3 GB/s. A head tied to the embedding is not packed (its plain weight is the embedding's): up to
-``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which reads the weight in place, and ``F.linear``
-above. With AMX, oneDNN's packed kernels run on the tile units and stay; the dot-product kernel then serves only one
-to three rows, where it is the faster, for a weight kept plain (``--keep-plain-weights``).
+64 bytes, ~3 GB/s. A head tied to the embedding packs too, and the embedding looks its rows up in the packed copy
+(``Embedding.read_packed_rows``). A weight that does not pack (a tied head whose vocabulary is not a multiple of 16,
+``--keep-plain-weights``) stays plain: up to ``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which
+reads the weight in place, and ``F.linear`` above. With AMX, oneDNN's packed kernels run on the tile units and
+stay; the dot-product kernel then serves only one to three rows, where it is the faster, for a weight kept plain.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _bf16_packed_ops():  # noqa: ANN202 - the compiled module or None
     packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
     ok = True
     with torch.inference_mode():
-        for rows in (1, 3, 13, 70):  # runs of 4 blocks, of 2 and 1; tiles of 8, 4, 2 and 1 rows; prefetching
+        for rows in (1, 3, 13, 70):  # runs of 4, 2 and 1 blocks; tiles of 8, 6, 4, 2 and 1 rows; prefetching
             x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
             want = F.linear(x.float(), w.float(), b.float())
             tol = 1e-2 * float(want.abs().max())
@@ -143,8 +144,9 @@ def _bf16_packs(parts: tuple[torch.Tensor, ...]) -> bool:
 
 @functools.cache
 def plain_bf16_weights() -> bool:
-    """Whether bfloat16 weights on this CPU are served plain, by the AVX-512 BF16 kernel and ``F.linear``, rather
-    than packed for oneDNN (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked."""
+    """Whether bfloat16 weights on this CPU are served by the AVX-512 BF16 kernels rather than packed for oneDNN
+    (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked. They load plain (the loader maps
+    the file) and pack in pairs of K when released (``csrc/bf16_packed.cpp``); what does not pack stays plain."""
     return envs.onednn_linear() and "amx_bf16" not in native_bf16() and _bf16_kernel() is not None
 
 
