@@ -10,9 +10,10 @@
 // tiles of MR rows by NB blocks keep MR x NB accumulators in registers (6x4, 4x4, 2x4, 1x4), the bias is added in
 // float32 and the result rounded once. Against the dot-product kernel over the plain weight (bf16_linear.cpp),
 // whose dot products end in a butterfly of 16 lanes and whose tiles of 16 rows read the block's rows as 16 streams,
-// a block here is one stream and a tile is nothing but loads, broadcasts and vdpbf16ps: 228-232 GFLOP/s a core on
-// the 2-core Zen 4 (its vdpbf16ps rate measured 230), against 143-190 for the dot-product tiles (bench/bf16_layer.py
-// measures layers). Sums are float32, in an order of their own: results differ from F.linear's in rounding only.
+// a block here is one stream and a tile is nothing but loads, broadcasts and vdpbf16ps: in a standalone loop 228-232
+// GFLOP/s a core on the 2-core Zen 4 (its vdpbf16ps rate measured 230), against 143-190 for the dot-product tiles;
+// bench/bf16_layer.py times whole layers. Sums are float32, in an order of their own: results differ from
+// F.linear's in rounding only.
 // Layouts: x [M, K] bfloat16 contiguous, K % 32 == 0; packed [N / 16, K * 16] bfloat16; bias [N] bfloat16 or empty.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
