@@ -19,9 +19,23 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <vector>
+
 #include "../../csrc/simd.h"
 
 namespace radixserve_bf16_linear {
+
+// `bias` ([N] bfloat16; undefined or empty: none) widened to float32, the bias the bfloat16 kernels add before they
+// round (this file's and bf16_packed.cpp's).
+inline std::vector<float> bias_floats(const torch::Tensor& bias, int64_t N, const char* kernel) {
+  const bool has = bias.defined() && bias.numel() > 0;
+  TORCH_CHECK(!has || (bias.scalar_type() == torch::kBFloat16 && bias.numel() == N && bias.is_contiguous()), kernel,
+              ": bias [N] bfloat16");
+  std::vector<float> out(has ? N : 0);
+  const c10::BFloat16* bp = has ? bias.data_ptr<c10::BFloat16>() : nullptr;
+  for (int64_t i = 0; i < static_cast<int64_t>(out.size()); ++i) out[i] = static_cast<float>(bp[i]);
+  return out;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
@@ -92,14 +106,8 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> parts, torch::T
     for (int64_t r = 0; r < w.size(0); r += 16) blocks.push_back(p + r * K);
   }
   const int64_t N = static_cast<int64_t>(blocks.size()) * 16;
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kBFloat16 && bias.numel() == N && bias.is_contiguous()),
-              "bf16_linear: bias [N] bfloat16");
-  std::vector<float> bias_f(has_bias ? N : 0);
-  if (has_bias) {
-    const bf16* bp = bias.data_ptr<bf16>();
-    for (int64_t i = 0; i < N; ++i) bias_f[i] = static_cast<float>(bp[i]);
-  }
+  const std::vector<float> bias_f = bias_floats(bias, N, "bf16_linear");
+  const bool has_bias = !bias_f.empty();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const bf16* xp = x.data_ptr<bf16>();

@@ -186,14 +186,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
                   packed.is_contiguous() && K % 32 == 0,
               "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's), K % 32 == 0");
   const int64_t blocks = packed.size(0), N = 16 * blocks;
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kBFloat16 && bias.numel() == N && bias.is_contiguous()),
-              "bf16_packed: bias [N] bfloat16");
-  std::vector<float> bias_f(has_bias ? N : 0);
-  if (has_bias) {
-    const bf16* bp = bias.data_ptr<bf16>();
-    for (int64_t i = 0; i < N; ++i) bias_f[i] = static_cast<float>(bp[i]);
-  }
+  const std::vector<float> bias_f = radixserve_bf16_linear::bias_floats(bias, N, "bf16_packed");
+  const bool has_bias = !bias_f.empty();
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const bf16* xp = x.data_ptr<bf16>();
