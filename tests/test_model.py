@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from radixserve.runtime.attention import AttentionMetadata, ExtendSeq, ForwardContext, TorchReferenceBackend
-from radixserve.runtime.cpu_features import native_bf16
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.models import LlamaForCausalLM, ModelArgs
+from radixserve.runtime.models.linear import plain_bf16_weights
 from radixserve.runtime.weights import iter_weights, load_hf_config
 
 
@@ -201,7 +201,7 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
 
 def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
     from radixserve.runtime.cpu_features import native_bf16
-    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable, plain_bf16_weights
+    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable
 
     torch.manual_seed(0)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16)
@@ -249,7 +249,7 @@ def test_bfloat16_linear_in_parts_matches_f_linear_at_every_tile_shape() -> None
         layer.set_plain_parts(parts[:2])
 
 
-@pytest.mark.skipif("avx512_bf16" not in native_bf16(), reason="the packed bfloat16 kernel needs AVX-512 BF16")
+@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights pack for oneDNN (AMX) or need AVX-512 BF16")
 @pytest.mark.parametrize("k", [1024, 2112])
 def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape(k: int) -> None:
     """Where bfloat16 weights are served without oneDNN (AVX-512 BF16, no AMX), releasing the plain weight packs it
@@ -257,7 +257,7 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     side by side; a weight in parts packs its parts' blocks in order. The product, with its bias, is F.linear's at
     every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows), K in slices
     of 2,048 above 64 rows (2,112: a slice and a ragged one) and rows in several chunks (2,112: 496 a chunk)."""
-    from radixserve.runtime.models.linear import Linear, _bf16_packed_ops, plain_bf16_weights
+    from radixserve.runtime.models.linear import Linear, _bf16_packed_ops
 
     ops = _bf16_packed_ops()
     assert ops is not None, "the packed bfloat16 kernel did not build"
@@ -276,7 +276,7 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     layer.set_plain_parts(parts)
     with torch.inference_mode():
         assert layer.release_plain()
-    assert layer._bf16_packed == plain_bf16_weights()
+    assert layer._bf16_packed
     assert layer.weight.device.type == "meta" and not layer._plain_parts and not list(layer.buffers())
     whole = torch.cat(parts).float()
     with torch.inference_mode():

@@ -26,11 +26,12 @@ is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN op
 Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed for
 oneDNN (``plain_bf16_weights``). Releasing the plain weight (``release_plain``, which ``prepack`` calls at load)
 packs it in pairs of K instead, the operand layout of ``vdpbf16ps`` (``csrc/bf16_packed.cpp``; a weight in parts,
-q/k/v mapped apart from a file, packs its parts in order), and one kernel multiplies it at every row count: 30 layers
-of SmolLM2's shapes, 2 threads, against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), 1
-row 6.9 against 8.4 ms, 8 rows 8.1 against 8.9, 16 rows 10.1 against 14.2, 64 rows 34 against 47 ms; at prefill
-sizes 1.02-1.05x ``F.linear`` (which reaches oneDNN without a reorder). The pack is a transpose of 16 x 16 words per
-64 bytes, ~3 GB/s. A head tied to the embedding packs too, and the embedding looks its rows up in the packed copy
+q/k/v mapped apart from a file, packs its parts in order), and one kernel multiplies it at every row count. One layer
+of SmolLM2's shapes (``bench/bf16_layer.py --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30``, 2 threads),
+against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), ms: 1 row 0.22 against 0.28, 16
+rows 0.32 against 0.46, 64 rows 1.16 against 1.61; 2,048 rows 34.7 against ``F.linear``'s 38.2 (which reaches oneDNN
+without a reorder). The pack is a transpose of 16 x 16 words per 64 bytes, done once at load. A head tied to the
+embedding packs too, and the embedding looks its rows up in the packed copy
 (``Embedding.read_packed_rows``). A weight that does not pack (a tied head whose vocabulary is not a multiple of 16,
 ``--keep-plain-weights``) stays plain: up to ``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which
 reads the weight in place, and ``F.linear`` above. With AMX, oneDNN's packed kernels run on the tile units and
