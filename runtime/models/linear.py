@@ -403,8 +403,8 @@ class Embedding(_Quantizable, nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return quant.embedding(ids, self.quant)  # type: ignore[arg-type]
-        if self._bf16_rows is not None:
-            return _bf16_packed_ops().rows(self._bf16_rows, ids)
+        if self._bf16_rows is not None:  # (the kernel takes int64 ids, as the engine's are)
+            return _bf16_packed_ops().rows(self._bf16_rows, ids if ids.dtype == torch.int64 else ids.long())
         return super().forward(ids)
 
 
