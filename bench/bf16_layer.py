@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     plain = [{name: torch.cat(parts) for name, parts in layer.items()} for layer in layers]
     packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
     pairs_ops = _bf16_packed_ops()
-    pairs = [{name: pairs_ops.pack(parts) for name, parts in layer.items()} for layer in layers] if pairs_ops else []
+    pairs = [{name: pairs_ops.pack(parts) for name, parts in layer.items()} for layer in layers]
     none = torch.empty(0)
 
     def run(matmul: Callable[[str, int, torch.Tensor], object], rows: int) -> float:

@@ -197,11 +197,11 @@ def describe_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
         tensors += [(str(p.dtype).removeprefix("torch."), p) for p in getattr(module, "_plain_parts", ())]
         for kind, t in tensors:
             # A meta weight was released for its packed copy, which has its bytes (and is this module's own), or
-            # stands for its parts (counted as themselves), or for the tied head's packed copy it reads.
-            if t.device.type == "meta" and getattr(module, "_plain_parts", ()):
+            # stands for its parts (counted as themselves), or for the tied head's packed copy it reads (counted
+            # with the head).
+            elsewhere = getattr(module, "_plain_parts", ()) or getattr(module, "_bf16_rows", None) is not None
+            if t.device.type == "meta" and elsewhere:
                 continue
-            if t.device.type == "meta" and getattr(module, "_bf16_rows", None) is not None:
-                continue  # an embedding reading its tied head's packed copy: counted with the head
             key = id(t) if t.device.type == "meta" else t.data_ptr()
             if key in seen:
                 continue

@@ -187,6 +187,12 @@ def onednn_usable(dtype: torch.dtype = torch.float32) -> bool:
 
 
 _NO_BIAS = torch.empty(0)
+
+
+def _meta_weight(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """A weight of this shape and dtype with no data: what stays of a weight served from elsewhere (its packed copy,
+    its parts, its tied head's copy), so that shapes and dtypes still read right."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
 _PACK_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -280,7 +286,7 @@ class Linear(_Quantizable, nn.Linear):
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
         if tuple(w.shape) != shape:
             raise ValueError(f"weight parts make {shape}, the layer is {tuple(w.shape)}")
-        self.weight = nn.Parameter(torch.empty(shape, dtype=parts[0].dtype, device="meta"), requires_grad=False)
+        self.weight = _meta_weight(shape, parts[0].dtype)
         for i, part in enumerate(parts):
             self.register_buffer(f"wpart{i}", part, persistent=False)
         self._plain_parts = tuple(parts)
@@ -323,7 +329,7 @@ class Linear(_Quantizable, nn.Linear):
         if packed is None:
             return False
         w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.weight = _meta_weight(w.shape, w.dtype)
         self._released, self._small = True, None
         return True
 
@@ -339,7 +345,7 @@ class Linear(_Quantizable, nn.Linear):
             return False
         with torch.inference_mode():  # on every core: the load waits for it (1B: 2 GB, ~0.6 s on two)
             packed = _bf16_packed_ops().pack([p.detach() for p in parts], _PACK_THREADS)
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.weight = _meta_weight(w.shape, w.dtype)
         for i in range(len(self._plain_parts)):
             del self._buffers[f"wpart{i}"]
         self._plain_parts = ()
@@ -397,7 +403,7 @@ class Embedding(_Quantizable, nn.Embedding):
         """Look rows up in ``packed``, the tied head's bfloat16 weight packed in pairs of K (the same values), and
         let the plain weight go (a meta parameter of its shape stays): the model holds the matrix once."""
         w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        self.weight = _meta_weight(w.shape, w.dtype)
         self._bf16_rows = packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
