@@ -7,9 +7,7 @@ scheduler thread touches (through ``runtime.kv_cache.KVCacheManager``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 
 import torch
 
@@ -46,9 +44,7 @@ class KVPool:
         shape = (num_layers, 2, num_kv_heads, num_slots + scratch_slots, head_dim)
         # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
         # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
-        self._kv = _huge_page_empty(shape, dtype) if torch.device(device).type == "cpu" else None
-        if self._kv is None:
-            self._kv = torch.empty(shape, dtype=dtype, device=device)
+        self._kv = torch.empty(shape, dtype=dtype, device=device)
         self.kv = list(self._kv.unbind(0))
         self.k = [kv[0].transpose(0, 1) for kv in self.kv]
         self.v = [kv[1].transpose(0, 1) for kv in self.kv]
@@ -73,32 +69,6 @@ class KVPool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
-# Transparent huge pages cover whole 2 MB pages, so a pool smaller than a few of them gains nothing from them.
-HUGE_PAGE = 2 << 20
-
-
-def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialized CPU tensor in anonymous memory advised for transparent huge pages, or ``None`` where the
-    pool is small or the platform has no such advice (the caller then uses ``torch.empty``).
-
-    Decode attention reads each row's keys and values at their slots, one or two cache lines at a time, across
-    every (layer, K/V, head) plane of the pool: on 4 KB pages nearly every such run costs a TLB miss and stops the
-    hardware prefetchers at the page's edge. On 2 MB pages, 16 decode rows of ~660 tokens over SmolLM2's 30 layers
-    took 10.4 ms a step instead of 10.9-11.6 (``bench/kv_pool_pages.py``). Pages are still committed lazily, one
-    2 MB page at a time instead of 4 KB; the pool's whole size is reserved for it anyway.
-    """
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or nbytes < 4 * HUGE_PAGE:
-        return None
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # A kernel without transparent huge pages refuses the advice: ordinary pages, the same memory.
-    with contextlib.suppress(OSError):
-        buf.madvise(advice)
-    # The tensor holds the map alive; the map's pages are freed with the last view of the tensor.
-    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 class SlotAllocator:
