@@ -7,7 +7,7 @@ weights from memory, not from the caches, as a decode step does:
 * ``packed``: the AVX-512 BF16 kernel over the weights packed in pairs of K, q/k/v packed from three parts
   (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX);
 * ``kernel``: the dot-product kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what the
-  engine runs up to ``linear.BF16_KERNEL_MAX_ROWS`` rows for a head tied to the embedding);
+  engine runs up to ``bf16_kernels.BF16_KERNEL_MAX_ROWS`` rows for a head tied to the embedding);
 * ``onednn``: oneDNN on prepacked weights (what the engine runs with AMX, and ran everywhere before);
 * ``F.linear``: on the plain weights (the engine's path above the kernel's rows).
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import format_table, machine_summary
-from radixserve.runtime.models.linear import _bf16_kernel, _bf16_packed_ops
+from radixserve.runtime.models.bf16_kernels import packed_ops, small_rows_kernel
 
 
 def mapped_against_copied(folder: Path, rounds: int = 4) -> None:
@@ -43,7 +43,7 @@ def mapped_against_copied(folder: Path, rounds: int = 4) -> None:
     from radixserve.runtime.safetensors_read import iter_file
     from radixserve.runtime.weights import safetensors_files
 
-    kernel = _bf16_kernel()
+    kernel = small_rows_kernel()
     mapped = [t for f in safetensors_files(folder)
               for _, t in iter_file(f, mapped=lambda _n, d, s: d == torch.bfloat16 and len(s) == 2)
               if t.dim() == 2 and t.shape[1] % 32 == 0 and t.shape[0] % 16 == 0]  # fmt: skip
@@ -76,8 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint", type=Path, help="time mapped against copied weights of this folder instead")
     args = p.parse_args(argv)
-    kernel = _bf16_kernel()
-    if kernel is None or _bf16_packed_ops() is None:
+    kernel = small_rows_kernel()
+    if kernel is None or packed_ops() is None:
         raise SystemExit("the AVX-512 BF16 kernels do not run on this CPU")
     torch.set_num_threads(args.threads)
     if args.checkpoint is not None:
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                "gate_up": [weight(2 * i, h)], "down": [weight(h, i)]} for _ in range(args.layers)]  # fmt: skip
     plain = [{name: torch.cat(parts) for name, parts in layer.items()} for layer in layers]
     packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
-    pairs_ops = _bf16_packed_ops()
+    pairs_ops = packed_ops()
     pairs = [{name: pairs_ops.pack(parts) for name, parts in layer.items()} for layer in layers]
     none = torch.empty(0)
 

@@ -7,7 +7,7 @@ casts). A 2 GB checkpoint then counts twice. Here each tensor is read with one `
 own: the page cache still serves repeated loads, and what stays resident is exactly what the model keeps.
 
 A tensor the model serves exactly as stored (``mapped`` says which: the loader's bfloat16 weights where they are
-served plain, ``linear.plain_bf16_weights``) is instead a view of one private map of the file, its pages mapped
+served plain, ``bf16_kernels.plain_bf16_weights``) is instead a view of one private map of the file, its pages mapped
 up front (``MADV_POPULATE_READ``, which reads them off the disk if need be): no copy, no fresh memory to fault in
 (0.6 s a GiB on this machine's VMs), so the load takes what reading the file takes. Only those tensors' pages
 are touched, and the map lives as long as one of them does. A write into such a tensor would copy its page

@@ -201,7 +201,8 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
 
 def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
     from radixserve.runtime.cpu_features import native_bf16
-    from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, onednn_usable
+    from radixserve.runtime.models.bf16_kernels import weight_kernel
+    from radixserve.runtime.models.linear import Linear, onednn_usable
 
     torch.manual_seed(0)
     layer = Linear(576, 1536, bias=False).to(torch.bfloat16)
@@ -213,7 +214,7 @@ def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear
         # AVX-512 BF16 without AMX: the weight stays plain (the kernel, then F.linear); with AMX oneDNN packs it.
         assert not (plain_bf16_weights() and packed is not None)
         assert plain_bf16_weights() == ("avx512_bf16" in native_bf16() and "amx_bf16" not in native_bf16())
-        assert (_bf16_weight_kernel((layer.weight,)) is not None) == ("avx512_bf16" in native_bf16())
+        assert (weight_kernel((layer.weight,)) is not None) == ("avx512_bf16" in native_bf16())
         for rows in (1, 3, 8, 300):
             x = torch.randn(rows, 576).to(torch.bfloat16)
             want = torch.nn.functional.linear(x.float(), layer.weight.float())
@@ -257,9 +258,10 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     side by side; a weight in parts packs its parts' blocks in order. The product, with its bias, is F.linear's at
     every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows), K in slices
     of 2,048 above 64 rows (2,112: a slice and a ragged one) and rows in several chunks (2,112: 496 a chunk)."""
-    from radixserve.runtime.models.linear import Linear, _bf16_packed_ops
+    from radixserve.runtime.models.bf16_kernels import packed_ops
+    from radixserve.runtime.models.linear import Linear
 
-    ops = _bf16_packed_ops()
+    ops = packed_ops()
     assert ops is not None, "the packed bfloat16 kernel did not build"
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(48, 64, generator=gen).to(torch.bfloat16)
@@ -288,6 +290,40 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2 * want.abs().max().item(), msg=str(rows))
         x3 = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
         torch.testing.assert_close(layer(x3), layer(x3.view(6, k)).view(2, 3, -1))
+
+
+@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights pack for oneDNN (AMX) or need AVX-512 BF16")
+@pytest.mark.parametrize(("k", "width"), [(576, 1536), (2112, 80)])
+def test_a_packed_gate_up_projection_multiplies_gated_with_the_bits_of_silu_mul_over_its_output(
+    k: int, width: int
+) -> None:
+    """An MLP's [gate; up] projection packed in pairs of K multiplies gated (``MergedLinear.silu_mul``: one kernel,
+    gate blocks with their up blocks): the result is ``fused.silu_mul`` over the layer's own output, to the bit, at
+    every row count (gated runs of 2 and 1 gate blocks: 80 = 5 blocks; K in slices above 64 rows: 2,112), with a
+    bias, in 3-D; a projection that does not pack keeps the separate SiLU-and-mul."""
+    from radixserve.runtime.models import fused
+    from radixserve.runtime.models.llama import MergedLinear
+
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(width, k, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    layer = MergedLinear(k, {"gate_proj": width, "up_proj": width}, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(2 * width, generator=gen).to(torch.bfloat16))
+    layer.set_plain_parts(parts)
+    with torch.inference_mode():
+        assert layer.release_plain() and layer.gated
+        for rows in (1, 2, 3, 5, 13, 16, 64, 65, 300):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            want = fused.silu_mul(layer(x))
+            assert torch.equal(layer.silu_mul(x), want), rows
+        x3 = torch.randn(2, 3, k, generator=gen).to(torch.bfloat16)
+        assert torch.equal(layer.silu_mul(x3), fused.silu_mul(layer(x3)))
+    odd = MergedLinear(64, {"gate_proj": 24, "up_proj": 24}, bias=False).to(torch.bfloat16)  # halves of 1.5 blocks
+    with torch.inference_mode():
+        odd.weight.copy_(torch.randn(48, 64, generator=gen).to(torch.bfloat16))
+        assert odd.release_plain() and not odd.gated
+        x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+        assert torch.equal(odd.silu_mul(x), fused.silu_mul(odd(x)))
 
 
 def test_rms_norm_reference_gives_the_hf_bits_and_the_fused_op_agrees() -> None:

@@ -32,7 +32,8 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention.base import ForwardContext
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.models import fused, quant
-from radixserve.runtime.models.linear import Linear, _bf16_weight_kernel, bf16_kernel_max_rows
+from radixserve.runtime.models.bf16_kernels import bf16_kernel_max_rows, weight_kernel
+from radixserve.runtime.models.linear import Linear
 
 logger = logging.getLogger("radixserve.model")
 
@@ -103,7 +104,7 @@ def _make(model: nn.Module) -> tuple[Any, int, torch.dtype]:
         attn, mlp = layer.self_attn, layer.mlp
         ops = []
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            op, rows = _linear_op(kernels.decode_stack, linear)
+            op, rows = _linear_op(kernels.decode_stack, linear, gated=linear is mlp.gate_up_proj and linear.gated)
             ops.append(op)
             max_rows = min(max_rows, rows)
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -113,8 +114,10 @@ def _make(model: nn.Module) -> tuple[Any, int, torch.dtype]:
     return stack, max_rows, layers[0].input_layernorm.weight.dtype
 
 
-def _linear_op(ds: Any, linear: Linear) -> tuple[Any, int]:
-    """The stack's op for ``linear`` and the most rows at which the Python ``Linear`` takes that same kernel."""
+def _linear_op(ds: Any, linear: Linear, gated: bool = False) -> tuple[Any, int]:
+    """The stack's op for ``linear`` and the most rows at which the Python ``Linear`` takes that same kernel;
+    ``gated``: the MLP's gate/up projection that ``MergedLinear.silu_mul`` multiplies gated (kind 5, SiLU-and-mul
+    included, as the Python MLP runs it)."""
     if type(linear).forward is not Linear.forward:
         raise _Unsupported(f"a {type(linear).__name__} of its own")
     bias = linear.bias.detach() if linear.bias is not None else None
@@ -131,10 +134,10 @@ def _linear_op(ds: Any, linear: Linear) -> tuple[Any, int]:
         )  # fmt: skip
         return op, rows
     if linear._released:  # only the packed copy: Linear calls its kernel at every row count
-        kind = 4 if linear._bf16_packed else 3
+        kind = (5 if gated else 4) if linear._bf16_packed else 3
         return ds.linear(kind, [linear._packed], [], [], linear.in_features, bias), 1 << 30
     weights = list(linear._plain_parts) or [linear.weight]
-    if weights[0].dtype == torch.bfloat16 and _bf16_weight_kernel(tuple(weights)) is not None:
+    if weights[0].dtype == torch.bfloat16 and weight_kernel(tuple(weights)) is not None:
         return ds.linear(1, [w.detach() for w in weights], [], [], weights[0].shape[1], bias), bf16_kernel_max_rows()
     if linear._plain_parts or linear._eligible():
         raise _Unsupported("a weight that would be packed for oneDNN, or in parts")

@@ -23,19 +23,8 @@ kernels beat ``F.linear`` (which reaches oneDNN without the reorder) 1.4-2x up t
 rate (``bench/linear_kernels.py``). Without those instructions bfloat16 products are emulated and ``F.linear``
 is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN ops) takes ``F.linear``.
 
-Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed for
-oneDNN (``plain_bf16_weights``). Releasing the plain weight (``release_plain``, which ``prepack`` calls at load)
-packs it in pairs of K instead, the operand layout of ``vdpbf16ps`` (``csrc/bf16_packed.cpp``; a weight in parts,
-q/k/v mapped apart from a file, packs its parts in order), and one kernel multiplies it at every row count. One layer
-of SmolLM2's shapes (``bench/bf16_layer.py --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30``, 2 threads),
-against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), ms: 1 row 0.22 against 0.28, 16
-rows 0.32 against 0.46, 64 rows 1.16 against 1.61; 2,048 rows 34.7 against ``F.linear``'s 38.2 (which reaches oneDNN
-without a reorder). The pack is a transpose of 16 x 16 words per 64 bytes, done once at load. A head tied to the
-embedding packs too, and the embedding looks its rows up in the packed copy
-(``Embedding.read_packed_rows``). A weight that does not pack (a tied head whose vocabulary is not a multiple of 16,
-``--keep-plain-weights``) stays plain: up to ``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which
-reads the weight in place, and ``F.linear`` above. With AMX, oneDNN's packed kernels run on the tile units and
-stay; the dot-product kernel then serves only one to three rows, where it is the faster, for a weight kept plain.
+Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are served by kernels of
+their own instead (``runtime.models.bf16_kernels``): packed in pairs of K when released, or plain.
 """
 
 from __future__ import annotations
@@ -52,7 +41,8 @@ from torch import nn
 
 from radixserve.runtime import envs
 from radixserve.runtime.cpu_features import native_bf16
-from radixserve.runtime.models import quant
+from radixserve.runtime.models import bf16_kernels, quant
+from radixserve.runtime.models.bf16_kernels import bf16_kernel_max_rows, plain_bf16_weights
 from radixserve.runtime.models.loading import StagingPool
 from radixserve.runtime.models.quant import QuantParts, QuantTensor
 from radixserve.runtime.safetensors_read import unmap_pages
@@ -61,99 +51,6 @@ logger = logging.getLogger("radixserve.model")
 
 # Batch-size hint for the weight's blocked layout; measured as good for 1 to 2,048 rows.
 PACK_BATCH_HINT = 8
-
-
-# Up to this many rows a bfloat16 product takes the AVX-512 BF16 kernel (see the module doc), measured: with AMX
-# (packed oneDNN on the tile units wins from four rows) and without (F.linear is as fast from ~32 rows).
-BF16_KERNEL_MAX_ROWS_AMX = 3
-BF16_KERNEL_MAX_ROWS = 32
-
-
-@functools.cache
-def _bf16_kernel():  # noqa: ANN202 - the compiled function or None
-    """The small-row bfloat16 kernel where it is built for this CPU and agrees with ``F.linear``."""
-    if "avx512_bf16" not in native_bf16():
-        return None
-    from radixserve.runtime.cpu_ext import load_kernels
-
-    kernels = load_kernels()
-    if kernels is None or not kernels.bf16_linear.available:
-        return None
-    op = kernels.bf16_linear.linear
-    gen = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((11, 64), (48, 64), (48,)))
-    with torch.inference_mode():
-        want = F.linear(x.float(), w.float(), b.float())
-        tol = 1e-2 * float(want.abs().max())
-        ok = torch.allclose(op(x, [w[:16], w[16:]], b).float(), want, rtol=1e-2, atol=tol)  # every tile shape
-        ok &= torch.allclose(op(x[:1], [w], torch.empty(0)).float(), want[:1] - b.float(), rtol=1e-2, atol=tol)
-    if not ok:
-        logger.warning("bfloat16 linear kernel disagrees with F.linear on this machine; using oneDNN")
-        return None
-    return op
-
-
-def _bf16_weight_kernel(parts: tuple[torch.Tensor, ...]):  # noqa: ANN202
-    """The bfloat16 kernel when it applies to this weight (its parts): bfloat16 on CPU, contiguous, K % 32 and
-    every part's N % 16 (its blocking)."""
-    for w in parts:
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
-            return None
-        if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
-            return None
-    return _bf16_kernel()
-
-
-@functools.cache
-def _bf16_packed_ops():  # noqa: ANN202 - the compiled module or None
-    """``csrc/bf16_packed.cpp`` where it is built for this CPU and agrees with ``F.linear`` (every tile shape)."""
-    if _bf16_kernel() is None:
-        return None
-    from radixserve.runtime.cpu_ext import load_kernels
-
-    kernels = load_kernels()
-    ops = getattr(kernels, "bf16_packed", None)
-    if ops is None or not ops.available:
-        return None
-    gen = torch.Generator().manual_seed(0)
-    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((112, 64), (112,)))
-    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
-    ok = True
-    with torch.inference_mode():
-        for rows in (1, 3, 13, 70):  # runs of 4, 2 and 1 blocks; tiles of 8, 6, 4, 2 and 1 rows; prefetching
-            x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
-            want = F.linear(x.float(), w.float(), b.float())
-            tol = 1e-2 * float(want.abs().max())
-            ok &= torch.allclose(ops.linear(x, packed, b).float(), want, rtol=1e-2, atol=tol)
-    if not ok:
-        logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
-        return None
-    return ops
-
-
-def _bf16_packs(parts: tuple[torch.Tensor, ...]) -> bool:
-    """Whether bfloat16 weight ``parts`` are packed for ``csrc/bf16_packed.cpp`` when released: served plain on this
-    CPU otherwise (``plain_bf16_weights``), on the CPU, shapes its blocks take (K % 32, each N % 16)."""
-    if not plain_bf16_weights() or _bf16_packed_ops() is None:
-        return False
-    return all(
-        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
-        and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0
-        for w in parts
-    )  # fmt: skip
-
-
-@functools.cache
-def plain_bf16_weights() -> bool:
-    """Whether bfloat16 weights on this CPU are served by the AVX-512 BF16 kernels rather than packed for oneDNN
-    (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked. They load plain (the loader maps
-    the file) and pack in pairs of K when released (``csrc/bf16_packed.cpp``); what does not pack stays plain."""
-    return envs.onednn_linear() and "amx_bf16" not in native_bf16() and _bf16_kernel() is not None
-
-
-def bf16_kernel_max_rows() -> int:
-    return BF16_KERNEL_MAX_ROWS if plain_bf16_weights() else BF16_KERNEL_MAX_ROWS_AMX
-
 
 
 # Dtypes the packed path may serve, with the tolerance of its check against ``F.linear``.
@@ -334,17 +231,17 @@ class Linear(_Quantizable, nn.Linear):
         return True
 
     def _release_to_bf16_packed(self) -> bool:
-        """Where the bfloat16 weight (its parts) packs for ``csrc/bf16_packed.cpp`` (``_bf16_packs``): pack it, drop
-        the plain weight (a meta parameter of the same shape stays; mapped pages go back, ``unmap_pages``) and
+        """Where the bfloat16 weight (its parts) packs for ``csrc/bf16_packed.cpp`` (``bf16_kernels.packs``): pack it,
+        drop the plain weight (a meta parameter of the same shape stays; mapped pages go back, ``unmap_pages``) and
         return True."""
         w = self.weight
         if w is None or w.device.type == "meta" and not self._plain_parts:
             return False
         parts = self._plain_parts or (w,)
-        if not _bf16_packs(parts):
+        if not bf16_kernels.packs(parts):
             return False
         with torch.inference_mode():  # on every core: the load waits for it (1B: 2 GB, ~0.6 s on two)
-            packed = _bf16_packed_ops().pack([p.detach() for p in parts], _PACK_THREADS)
+            packed = bf16_kernels.packed_ops().pack([p.detach() for p in parts], _PACK_THREADS)
         self.weight = _meta_weight(w.shape, w.dtype)
         for i in range(len(self._plain_parts)):
             del self._buffers[f"wpart{i}"]
@@ -353,6 +250,14 @@ class Linear(_Quantizable, nn.Linear):
         for p in parts:
             unmap_pages(p)  # a part mapped from the checkpoint: its pages leave the resident set
         return True
+
+    def silu_mul_packed(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate; up] projection (equal parts of whole 16-row blocks, packed in pairs of K)
+        in one kernel, with the bits of ``fused.silu_mul`` over ``forward``'s output."""
+        assert self._bf16_packed, "only a weight packed in pairs of K multiplies gated"
+        bias = self.bias if self.bias is not None else _NO_BIAS
+        y = bf16_kernels.packed_ops().linear_silu_mul(x.reshape(-1, x.shape[-1]).contiguous(), self._packed, bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
@@ -365,7 +270,7 @@ class Linear(_Quantizable, nn.Linear):
             if self._bf16_packed:
                 shape = x.shape
                 bias = self.bias if self.bias is not None else _NO_BIAS
-                y = _bf16_packed_ops().linear(x.reshape(-1, shape[-1]).contiguous(), self._packed, bias)
+                y = bf16_kernels.packed_ops().linear(x.reshape(-1, shape[-1]).contiguous(), self._packed, bias)
                 return y.view(*shape[:-1], y.shape[-1])
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         parts = self._plain_parts
@@ -375,7 +280,7 @@ class Linear(_Quantizable, nn.Linear):
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu and x.shape[0] <= bf16_kernel_max_rows():
             key = parts[0].data_ptr() if parts else w.data_ptr()
             if key != self._small_key:
-                self._small, self._small_key = _bf16_weight_kernel(parts or (w,)), key
+                self._small, self._small_key = bf16_kernels.weight_kernel(parts or (w,)), key
                 self._small_weights = list(parts or (w,))
             if self._small is not None and not torch.is_grad_enabled():
                 bias = self.bias if self.bias is not None else _NO_BIAS
@@ -410,7 +315,7 @@ class Embedding(_Quantizable, nn.Embedding):
         if self.qtype is not None:
             return quant.embedding(ids, self.quant)  # type: ignore[arg-type]
         if self._bf16_rows is not None:  # (the kernel takes int64 ids, as the engine's are)
-            return _bf16_packed_ops().rows(self._bf16_rows, ids if ids.dtype == torch.int64 else ids.long())
+            return bf16_kernels.packed_ops().rows(self._bf16_rows, ids if ids.dtype == torch.int64 else ids.long())
         return super().forward(ids)
 
 

@@ -65,6 +65,17 @@ class MergedLinear(Linear):
         """The output ``y`` cut into the parts' outputs (views)."""
         return y.split(list(self.parts.values()), dim=-1)
 
+    @property
+    def gated(self) -> bool:
+        """Whether ``silu_mul`` runs in one kernel: a [gate; up] pair of whole 16-row blocks packed in pairs of K."""
+        sizes = list(self.parts.values())
+        return self._bf16_packed and len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % 16 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate; up] projection: ``fused.silu_mul`` over its output, in one kernel with the
+        linear where ``gated`` (its widest output is then never written)."""
+        return self.silu_mul_packed(x) if self.gated else fused.silu_mul(self(x))
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
@@ -109,11 +120,10 @@ class MLP(nn.Module):
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.gelu:  # Gemma
-            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(fused.silu_mul(gate_up))
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class SparseMoE(nn.Module):

@@ -14,6 +14,9 @@
 // GFLOP/s a core on the 2-core Zen 4 (its vdpbf16ps rate measured 230), against 143-190 for the dot-product tiles;
 // bench/bf16_layer.py times whole layers. Sums are float32, in an order of their own: results differ from
 // F.linear's in rounding only.
+// A gate/up projection packed from [gate; up] also multiplies gated (``linear_silu_mul``): each tile takes gate blocks
+// and the up blocks G further (G = N / 32) and writes silu(gate) * up, so an MLP's widest output is never written or
+// read back (SmolLM2's prefill: 2,048 x 3,072 values a layer and chunk, and the silu_mul pass over them).
 // Layouts: x [M, K] bfloat16 contiguous, K % 32 == 0; packed [N / 16, K * 16] bfloat16; bias [N] bfloat16 or empty.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -57,14 +60,16 @@ inline void transpose16(const bf16* w, int64_t K, int64_t k, __m512i* out) {
   }
 }
 
-// The next run of blocks (one range of memory), fetched into L2 a few 64-byte lines per step of the current run's
-// tiles, so that streaming the weight overlaps the arithmetic.
+// The next run of blocks (R ranges of memory: its gate and up blocks for a gated product), fetched into L2 a few
+// 64-byte lines per step of the current run's tiles, so that streaming the weight overlaps the arithmetic.
+template <int R>
 struct Prefetch {
-  const char* next = nullptr;
-  const char* end = nullptr;
+  const char* next[R] = {};
+  const char* end[R] = {};
   int per_step = 0;
   inline void step() {
-    for (int q = 0; q < per_step && next < end; ++q, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < per_step && next[r] < end[r]; ++q, next[r] += 64) _mm_prefetch(next[r], _MM_HINT_T1);
   }
 };
 
@@ -76,10 +81,12 @@ struct Slice {
 };
 
 // y[i][16 b + c] = x[i] . w_b[c] (+ bias) for MR rows of x (row stride K) and the NB blocks at w[0 .. NB), over the
-// pairs of slice `s`; `part` (rows of 16 NB floats) holds the sums between slices.
-template <int MR, int NB>
+// pairs of slice `s`; `part` (rows of 16 NB floats) holds the sums between slices. GATED: blocks [0, NB/2) are gate
+// blocks and [NB/2, NB) the matching up blocks; y gets NB/2 blocks of silu(gate) * up, each product rounded to
+// bfloat16 first, as a separate linear would store it, so the result is that of silu_mul over linear's to the bit.
+template <int MR, int NB, bool GATED>
 inline void tile(const bf16* x, int64_t K, const bf16* const* w, const Slice& s, bf16* y, int64_t ldy,
-                 const float* const* bias, float* part, Prefetch& pf) {
+                 const float* const* bias, float* part, Prefetch<GATED ? 2 : 1>& pf) {
   __m512 acc[MR * NB];
   for (int i = 0; i < MR * NB; ++i)
     acc[i] = s.first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (i / NB) * 16 * NB + 16 * (i % NB));
@@ -93,15 +100,23 @@ inline void tile(const bf16* x, int64_t K, const bf16* const* w, const Slice& s,
       for (int b = 0; b < NB; ++b) acc[i * NB + b] = _mm512_dpbf16_ps(acc[i * NB + b], wv[b], xb);
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int b = 0; b < NB; ++b) {
-      if (!s.last) {
-        _mm512_storeu_ps(part + i * 16 * NB + 16 * b, acc[i * NB + b]);
-        continue;
+  if (!s.last) {
+    for (int i = 0; i < MR * NB; ++i) _mm512_storeu_ps(part + (i / NB) * 16 * NB + 16 * (i % NB), acc[i]);
+    return;
+  }
+  for (int i = 0; i < MR * NB; ++i)
+    if (bias[i % NB]) acc[i] = _mm512_add_ps(acc[i], _mm512_loadu_ps(bias[i % NB]));
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (GATED) {
+      for (int b = 0; b < NB / 2; ++b) {
+        const __m512 g = radixserve_simd::round_as(acc[i * NB + b], y);
+        const __m512 u = radixserve_simd::round_as(acc[i * NB + NB / 2 + b], y);
+        radixserve_simd::store16(y + i * ldy + 16 * b, radixserve_simd::silu_mul(g, u));
       }
-      const __m512 v = bias[b] ? _mm512_add_ps(acc[i * NB + b], _mm512_loadu_ps(bias[b])) : acc[i * NB + b];
-      radixserve_simd::store16(y + i * ldy + 16 * b, v);
+    } else {
+      for (int b = 0; b < NB; ++b) radixserve_simd::store16(y + i * ldy + 16 * b, acc[i * NB + b]);
     }
+  }
 }
 
 // Tile calls for M rows against a run of NB blocks (see rows).
@@ -113,32 +128,39 @@ inline int64_t tiles(int64_t M, int64_t NB) {
 // Rows [0, M) of x against the NB blocks starting at block n (a run of NB consecutive blocks) over slice `s`, while
 // the `ahead` blocks after them are prefetched (whole-K slices only). Runs of 4 blocks take tiles of 6 rows (24
 // accumulators: 4 weight loads and 6 broadcasts a step for 24 products), shorter runs (a thread's last blocks)
-// tiles of 8. `part`: M rows of 16 NB floats, the sums between slices.
-template <int NB>
+// tiles of 8. `part`: M rows of 16 NB floats, the sums between slices. GATED: n counts gate blocks, the run is NB/2
+// gate blocks from n and their up blocks from n + G (G = N / 32 gate blocks), y's rows hold N / 2.
+template <int NB, bool GATED>
 void rows(const bf16* x, int64_t M, int64_t K, const Slice& s, const bf16* packed, int64_t n, bf16* y, int64_t N,
           const float* bias, int64_t ahead, float* part) {
-  Prefetch pf;
-  pf.next = reinterpret_cast<const char*>(packed + (n + NB) * 16 * K);
-  pf.end = pf.next + ahead * 16 * K * 2;
+  constexpr int RUN = GATED ? NB / 2 : NB;  // blocks of each range in the run
+  const int64_t G = N / 32;
+  Prefetch<GATED ? 2 : 1> pf;
+  for (int r = 0; r < (GATED ? 2 : 1); ++r) {
+    pf.next[r] = reinterpret_cast<const char*>(packed + (n + RUN + r * G) * 16 * K);
+    pf.end[r] = pf.next[r] + ahead * 16 * K * 2;
+  }
   const int64_t lines = ahead * 16 * K * 2 / 64, steps = tiles(M, NB) * s.np;
   pf.per_step = static_cast<int>((lines + steps - 1) / steps);
   const bf16* w[NB];
   const float* bb[NB];
   for (int b = 0; b < NB; ++b) {
-    w[b] = packed + (n + b) * 16 * K;
-    bb[b] = bias ? bias + 16 * (n + b) : nullptr;
+    const int64_t block = n + (GATED && b >= RUN ? b - RUN + G : b);
+    w[b] = packed + block * 16 * K;
+    bb[b] = bias ? bias + 16 * block : nullptr;
   }
+  const int64_t ldy = GATED ? N / 2 : N;
   bf16* yn = y + 16 * n;
   const int64_t lp = 16 * NB;  // floats a row of `part`
   int64_t m = 0;
   if constexpr (NB == 4) {
-    for (; m + 6 <= M; m += 6) tile<6, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
+    for (; m + 6 <= M; m += 6) tile<6, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
   } else {
-    for (; m + 8 <= M; m += 8) tile<8, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
+    for (; m + 8 <= M; m += 8) tile<8, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
   }
-  for (; m + 4 <= M; m += 4) tile<4, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
-  for (; m + 2 <= M; m += 2) tile<2, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
-  for (; m < M; ++m) tile<1, NB>(x + m * K, K, w, s, yn + m * N, N, bb, part + m * lp, pf);
+  for (; m + 4 <= M; m += 4) tile<4, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
+  for (; m + 2 <= M; m += 2) tile<2, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
+  for (; m < M; ++m) tile<1, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
 }
 
 }  // namespace
@@ -178,7 +200,10 @@ torch::Tensor pack(std::vector<torch::Tensor> parts, int64_t threads) {
   return out;
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+namespace {
+
+// linear (gated false) and linear_silu_mul (gated true): see their registrations.
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, bool gated) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "bf16_packed: x [M, K] bfloat16, contiguous");
   const int64_t M = x.size(0), K = x.size(1);
@@ -186,9 +211,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
                   packed.is_contiguous() && K % 32 == 0,
               "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's), K % 32 == 0");
   const int64_t blocks = packed.size(0), N = 16 * blocks;
+  TORCH_CHECK(!gated || blocks % 2 == 0, "bf16_packed: a gate/up weight has as many up blocks as gate blocks");
   const std::vector<float> bias_f = radixserve_bf16_linear::bias_floats(bias, N, "bf16_packed");
   const bool has_bias = !bias_f.empty();
-  auto y = torch::empty({M, N}, x.options());
+  // Gated: the work is the gate blocks; each comes with its up block, G blocks further.
+  const int64_t units = gated ? blocks / 2 : blocks, ldy = gated ? N / 2 : N;
+  auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
@@ -198,8 +226,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
   // 2,048 (a run of 4 blocks' slice, 256 KB, stays in L2 for the chunk's tiles; the sums wait in float32 between
   // slices). The work is every (chunk, block) pair, chunk by chunk, the chunks equal; each thread takes a
   // contiguous range of it (the same number of blocks: at one row, the same bytes to stream) and multiplies its
-  // blocks of a chunk in runs of 4. (Chunks of 256 KB of x and whole K ran the 1B shape's 256 rows at 0.9x oneDNN:
-  // a chunk of 16 rows for K = 8,192 re-read the weights from memory 16 times.)
+  // blocks of a chunk in runs of 4 (gated: 2 gate blocks and their 2 up blocks). (Chunks of 256 KB of x and whole
+  // K ran the 1B shape's 256 rows at 0.9x oneDNN: a chunk of 16 rows for K = 8,192 re-read the weights from memory
+  // 16 times.)
   const int64_t most = std::max<int64_t>(6, (int64_t{2} << 20) / (2 * K)), chunks = (M + most - 1) / most;
   const int64_t chunk = (M + chunks - 1) / chunks;
   const int64_t kc = M > 64 && K > 2048 ? 2048 : K, slices = (K + kc - 1) / kc;
@@ -207,24 +236,32 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
   // rows the hardware's stream prefetch does better alone (0.94x with it), and above 64 the blocks are read from
   // L2 by many tiles anyway (0.97x at 512 rows).
   const bool prefetch = M >= 4 && M <= 64;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t run = gated ? 2 : 4;  // units of a full run
+  at::parallel_for(0, chunks * units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> part(slices > 1 ? chunk * 64 : 0);
     for (int64_t t = begin; t < end;) {
-      const int64_t c = t / blocks, b0 = t % blocks, b1 = std::min(blocks, b0 + end - t);
+      const int64_t c = t / units, b0 = t % units, b1 = std::min(units, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
       const bf16* xc = xp + m0 * K;
-      bf16* yc = yp + m0 * N;
+      bf16* yc = yp + m0 * ldy;
       for (int64_t n = b0; n < b1;) {
-        const int64_t left = b1 - n, nb = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
-        const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(4, left - nb) : 0;  // next run
+        const int64_t left = b1 - n, nb = left >= run ? run : (left >= 2 ? 2 : 1);
+        const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(run, left - nb) : 0;  // next run
         for (int64_t sl = 0; sl < slices; ++sl) {
           const Slice s{sl * kc / 2, std::min(kc, K - sl * kc) / 2, sl == 0, sl == slices - 1};
-          if (nb == 4) {
-            rows<4>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+          float* pp = part.data();
+          if (gated) {
+            if (nb == 2) {
+              rows<4, true>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
+            } else {
+              rows<2, true>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
+            }
+          } else if (nb == 4) {
+            rows<4, false>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
           } else if (nb == 2) {
-            rows<2>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+            rows<2, false>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
           } else {
-            rows<1>(xc, mc, K, s, wp, n, yc, N, bp, ahead, part.data());
+            rows<1, false>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
           }
         }
         n += nb;
@@ -233,6 +270,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) 
     }
   });
   return y;
+}
+
+}  // namespace
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return product(x, packed, bias, false);
+}
+
+torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return product(x, packed, bias, true);
 }
 
 // Rows `ids` of a packed weight, as the plain weight holds them: the lookups of an embedding whose tied head is
@@ -278,6 +325,11 @@ torch::Tensor linear(torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
   return {};
 }
+
+torch::Tensor linear_silu_mul(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
+  return {};
+}
 #endif
 
 }  // namespace radixserve_bf16_packed
@@ -290,5 +342,10 @@ void register_bf16_packed(pybind11::module_& parent) {
   m.def("rows", &radixserve_bf16_packed::rows, "rows of a packed weight, as the plain weight holds them",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &radixserve_bf16_packed::linear, "bfloat16 x @ w^T (+ bias) over pack's layout (AVX-512 BF16)",
+        py::call_guard<py::gil_scoped_release>());
+  // A gate/up projection packed from [gate; up] (as many rows each): silu(x @ gate^T) * (x @ up^T), [M, N / 2],
+  // what fused_ops.silu_mul gives over linear's output, to the bit, without writing or reading that output.
+  m.def("linear_silu_mul", &radixserve_bf16_packed::linear_silu_mul,
+        "bfloat16 silu(x @ gate^T) * (x @ up^T) over pack's layout of [gate; up] (AVX-512 BF16)",
         py::call_guard<py::gil_scoped_release>());
 }

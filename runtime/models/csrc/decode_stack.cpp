@@ -12,7 +12,7 @@
 //   h = add_rms_norm(x, residual, w_in)           (rms_norm(residual) on the first layer; residual updated in place)
 //   qkv = qkv_proj(h); RoPE on q and k in place; k, v written to the layer's pool slots
 //   o = o_proj(decode_attention(q, pool, slots, lens))
-//   h = add_rms_norm(o, residual, w_post);  x = down_proj(silu_mul(gate_up_proj(h)))
+//   h = add_rms_norm(o, residual, w_post);  x = down_proj(silu_mul(gate_up_proj(h)))  (one call where gated)
 // and the last layer's x is returned (the caller adds it and applies the final norm).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,7 +32,8 @@ const c10::OperatorHandle& onednn_linear() {
 // A linear layer as the Python Linear would run it at these rows.
 struct LinearOp {
   // 0: packed blocks (quant_packed; one call per part, outputs side by side), 1: bfloat16 parts (bf16_linear),
-  // 2: a plain weight (at::linear), 3: a oneDNN-packed weight, 4: a bfloat16 weight packed in pairs (bf16_packed).
+  // 2: a plain weight (at::linear), 3: a oneDNN-packed weight, 4: a bfloat16 weight packed in pairs (bf16_packed),
+  // 5: a gate/up weight packed in pairs, multiplied gated (its output is silu(gate) * up already).
   int64_t kind = 0;
   std::vector<torch::Tensor> weights;
   std::vector<int64_t> types, outs;  // kind 0: each part's block type and output size
@@ -54,6 +55,8 @@ struct LinearOp {
     }
     if (kind == 1) return radixserve_bf16_linear::linear(x, weights, bias.defined() ? bias : torch::Tensor());
     if (kind == 4) return radixserve_bf16_packed::linear(x, weights[0], bias.defined() ? bias : torch::Tensor());
+    if (kind == 5)
+      return radixserve_bf16_packed::linear_silu_mul(x, weights[0], bias.defined() ? bias : torch::Tensor());
     if (kind == 3) {
       std::vector<c10::IValue> stack{x, weights[0], bias.defined() ? c10::IValue(bias) : c10::IValue(),
                                      std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
@@ -66,7 +69,7 @@ struct LinearOp {
 
 LinearOp make_linear(int64_t kind, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
                      std::vector<int64_t> outs, int64_t in, std::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind >= 0 && kind <= 4 && !weights.empty(), "decode_stack: linear kind 0-4 with weights");
+  TORCH_CHECK(kind >= 0 && kind <= 5 && !weights.empty(), "decode_stack: linear kind 0-5 with weights");
   TORCH_CHECK(kind != 0 || (types.size() == weights.size() && outs.size() == weights.size()),
               "decode_stack: a block type and an output size per packed part");
   LinearOp op;
@@ -131,7 +134,7 @@ class Stack {
           radixserve_decode_attention::decode_attention(qk.narrow(1, 0, h).contiguous(), pool, slots, lens, scale)[0];
       torch::Tensor o = layer.o(att.view({T, h * d}));
       torch::Tensor h2 = radixserve_fused_ops::add_rms_norm(o, residual, layer.norm_post, eps_);
-      x = layer.down(radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
+      x = layer.down(layer.gate_up.kind == 5 ? layer.gate_up(h2) : radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
     }
     return x;
   }

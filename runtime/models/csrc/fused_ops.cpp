@@ -162,18 +162,9 @@ void silu_mul_impl(const torch::Tensor& gate_up, torch::Tensor& out) {
       int64_t i = 0;  // the vector loops' end: the scalar loop at the bottom takes the rest
 #ifdef __AVX512F__
       using namespace radixserve_simd;
-      const __m512 one = _mm512_set1_ps(1.0f);
       for (; i < I; i += 16) {  // (a masked tail: none is left)
         const int n = I - i < 16 ? static_cast<int>(I - i) : 16;
-        const __m512 gv = load_n(gr + i, n);
-        // 1 / (1 + e^-g) by a reciprocal estimate and one Newton step (relative error ~1e-7): a division would
-        // be the loop's bottleneck (one per 16 cycles). -g is capped at 80 so that den stays finite (inf * 0 would
-        // give NaN in the Newton step); there sig ~ 1.8e-35 and the product rounds to -0, as the exact one does.
-        const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.0f));
-        const __m512 den = _mm512_add_ps(one, radixserve_simd::exp(neg));
-        const __m512 r0 = _mm512_rcp14_ps(den);
-        const __m512 sig = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.0f)));
-        store_n(orow + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load_n(ur + i, n)), n);
+        store_n(orow + i, radixserve_simd::silu_mul(load_n(gr + i, n), load_n(ur + i, n)), n);
       }
 #elif defined(__AVX2__) && defined(__FMA__)
       // As the scalar loop below, 8 at a time, with the AVX-512 path's e^x (std::exp one element at a time was

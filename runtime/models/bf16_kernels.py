@@ -1,0 +1,127 @@
+"""Which kernels serve bfloat16 linear weights on a CPU with AVX-512 BF16, each checked against ``F.linear`` once.
+
+Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are not packed for
+oneDNN (``plain_bf16_weights``). Releasing the plain weight (``release_plain``, which ``prepack`` calls at load)
+packs it in pairs of K instead, the operand layout of ``vdpbf16ps`` (``csrc/bf16_packed.cpp``; a weight in parts,
+q/k/v mapped apart from a file, packs its parts in order), and one kernel multiplies it at every row count. One layer
+of SmolLM2's shapes (``bench/bf16_layer.py --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30``, 2 threads),
+against the dot-product kernel over the plain weight (``csrc/bf16_linear.cpp``), ms: 1 row 0.22 against 0.28, 16
+rows 0.32 against 0.46, 64 rows 1.16 against 1.61; 2,048 rows 34.7 against ``F.linear``'s 38.2 (which reaches oneDNN
+without a reorder). The pack is a transpose of 16 x 16 words per 64 bytes, done once at load. A head tied to the
+embedding packs too, and the embedding looks its rows up in the packed copy
+(``Embedding.read_packed_rows``). A weight that does not pack (a tied head whose vocabulary is not a multiple of 16,
+``--keep-plain-weights``) stays plain: up to ``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which
+reads the weight in place, and ``F.linear`` above. With AMX, oneDNN's packed kernels run on the tile units and
+stay; the dot-product kernel then serves only one to three rows, where it is the faster, for a weight kept plain.
+
+``linear.Linear`` asks this module which kernel a weight takes; the kernels themselves are C++ (``csrc/``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.runtime import envs
+from radixserve.runtime.cpu_features import native_bf16
+
+logger = logging.getLogger("radixserve.model")
+
+
+# Up to this many rows a bfloat16 product takes the AVX-512 BF16 kernel (see the module doc), measured: with AMX
+# (packed oneDNN on the tile units wins from four rows) and without (F.linear is as fast from ~32 rows).
+BF16_KERNEL_MAX_ROWS_AMX = 3
+BF16_KERNEL_MAX_ROWS = 32
+
+
+@functools.cache
+def small_rows_kernel():  # noqa: ANN202 - the compiled function or None
+    """The small-row bfloat16 kernel where it is built for this CPU and agrees with ``F.linear``."""
+    if "avx512_bf16" not in native_bf16():
+        return None
+    from radixserve.runtime.cpu_ext import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None or not kernels.bf16_linear.available:
+        return None
+    op = kernels.bf16_linear.linear
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((11, 64), (48, 64), (48,)))
+    with torch.inference_mode():
+        want = F.linear(x.float(), w.float(), b.float())
+        tol = 1e-2 * float(want.abs().max())
+        ok = torch.allclose(op(x, [w[:16], w[16:]], b).float(), want, rtol=1e-2, atol=tol)  # every tile shape
+        ok &= torch.allclose(op(x[:1], [w], torch.empty(0)).float(), want[:1] - b.float(), rtol=1e-2, atol=tol)
+    if not ok:
+        logger.warning("bfloat16 linear kernel disagrees with F.linear on this machine; using oneDNN")
+        return None
+    return op
+
+
+def weight_kernel(parts: tuple[torch.Tensor, ...]):  # noqa: ANN202
+    """The bfloat16 kernel when it applies to this weight (its parts): bfloat16 on CPU, contiguous, K % 32 and
+    every part's N % 16 (its blocking)."""
+    for w in parts:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
+            return None
+        if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
+            return None
+    return small_rows_kernel()
+
+
+@functools.cache
+def packed_ops():  # noqa: ANN202 - the compiled module or None
+    """``csrc/bf16_packed.cpp`` where it is built for this CPU and agrees with ``F.linear`` (every tile shape), its
+    gate/up product with ``silu_mul`` over ``linear`` (to the bit)."""
+    if small_rows_kernel() is None:
+        return None
+    from radixserve.runtime.cpu_ext import load_kernels
+
+    kernels = load_kernels()
+    ops = getattr(kernels, "bf16_packed", None)
+    if ops is None or not ops.available:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((112, 64), (112,)))
+    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
+    gate_up = ops.pack([w[:48].contiguous(), w[48:96].contiguous()])  # 3 blocks each: gated runs of 2 and 1
+    ok = True
+    with torch.inference_mode():
+        for rows in (1, 3, 13, 70):  # runs of 4, 2 and 1 blocks; tiles of 8, 6, 4, 2 and 1 rows; prefetching
+            x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
+            want = F.linear(x.float(), w.float(), b.float())
+            tol = 1e-2 * float(want.abs().max())
+            ok &= torch.allclose(ops.linear(x, packed, b).float(), want, rtol=1e-2, atol=tol)
+            gated = kernels.fused_ops.silu_mul(ops.linear(x, gate_up, b[:96]))
+            ok &= torch.equal(ops.linear_silu_mul(x, gate_up, b[:96]), gated)
+    if not ok:
+        logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
+        return None
+    return ops
+
+
+def packs(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether bfloat16 weight ``parts`` are packed for ``csrc/bf16_packed.cpp`` when released: served plain on this
+    CPU otherwise (``plain_bf16_weights``), on the CPU, shapes its blocks take (K % 32, each N % 16)."""
+    if not plain_bf16_weights() or packed_ops() is None:
+        return False
+    return all(
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+        and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0
+        for w in parts
+    )  # fmt: skip
+
+
+@functools.cache
+def plain_bf16_weights() -> bool:
+    """Whether bfloat16 weights on this CPU are served by the AVX-512 BF16 kernels rather than packed for oneDNN
+    (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked. They load plain (the loader maps
+    the file) and pack in pairs of K when released (``csrc/bf16_packed.cpp``); what does not pack stays plain."""
+    return envs.onednn_linear() and "amx_bf16" not in native_bf16() and small_rows_kernel() is not None
+
+
+def bf16_kernel_max_rows() -> int:
+    return BF16_KERNEL_MAX_ROWS if plain_bf16_weights() else BF16_KERNEL_MAX_ROWS_AMX
