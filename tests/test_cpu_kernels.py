@@ -134,3 +134,27 @@ def test_a_finished_build_is_imported_without_the_builder() -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         if expected is not None:
             assert done.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pool_stores_a_chunks_keys_and_values_as_index_copy_does(dtype: torch.dtype) -> None:
+    """``KVPool.store`` on CPU writes with the compiled row copy (``fused.store_kv``): each token's k and v, views of
+    the qkv projection's rows, land in its slot of every head exactly as the pair of ``index_copy_`` puts them; the
+    other slots keep what they held; a slot outside the pool is refused before anything is written."""
+    from radixserve.runtime.kv_pool import KVPool
+
+    gen = torch.Generator().manual_seed(5)
+    pool = KVPool(700, 2, 3, 64, dtype, torch.device("cpu"))
+    assert pool._store_kv is not None
+    pool.layers.copy_(torch.randn(pool.layers.shape, generator=gen).to(dtype))
+    want = pool.layers.clone()
+    qkv = torch.randn(300, (9 + 3 + 3) * 64, generator=gen).to(dtype)
+    k, v = qkv[:, 9 * 64 : 12 * 64].view(300, 3, 64), qkv[:, 12 * 64 :].view(300, 3, 64)
+    slots = torch.randperm(700, generator=gen)[:300]
+    pool.store(1, slots, k, v)
+    want[1, 0].index_copy_(1, slots, k.transpose(0, 1))
+    want[1, 1].index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(pool.layers, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        pool.store(0, torch.tensor([3, 700]), k[:2], v[:2])
+    assert torch.equal(pool.layers, want)

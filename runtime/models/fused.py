@@ -65,6 +65,13 @@ def _self_check(module, dtype: torch.dtype) -> bool:  # noqa: ANN001 - the compi
         ok &= torch.allclose(qk, want, rtol=rtol, atol=atol)
         gu = torch.randn(5, 64, generator=gen).to(dtype)
         ok &= torch.allclose(module.silu_mul(gu), ref_silu_mul(gu), rtol=rtol, atol=atol)
+        kv, want = torch.zeros(2, 2, 9, 16, dtype=dtype), torch.zeros(2, 2, 9, 16, dtype=dtype)
+        k, v = qkv[:, : 2 * 16].view(5, 2, 16), qkv[:, 2 * 16 : 4 * 16].view(5, 2, 16)
+        slots = torch.tensor([7, 0, 3, 8, 2])
+        module.store_kv(kv, slots, k, v)
+        want[0].index_copy_(1, slots, k.transpose(0, 1))
+        want[1].index_copy_(1, slots, v.transpose(0, 1))
+        ok &= torch.equal(kv, want)
     return bool(ok)
 
 
@@ -149,3 +156,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return gpu.silu_mul(gate_up)
     ops = _fast(gate_up)
     return ops.silu_mul(gate_up) if ops is not None else ref_silu_mul(gate_up)
+
+
+def store_kv(kv: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Write ``k`` and ``v`` [T, kv_heads, head_dim] into one layer of the pool ``kv`` [2, kv_heads, slots,
+    head_dim] at ``slots`` [T] with the compiled row copy (``csrc/fused_ops.cpp``), where it applies (CPU, float32
+    or bfloat16, each token's heads contiguous); False: the caller writes them itself."""
+    if not kv.is_cpu or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1:
+        return False
+    if v.stride(-2) != v.shape[-1] or slots.dtype != torch.int64 or kv.dtype not in _TOLERANCE:
+        return False
+    ops = _ops(kv.dtype)
+    if ops is None:
+        return False
+    ops.store_kv(kv, slots.contiguous(), k, v)
+    return True

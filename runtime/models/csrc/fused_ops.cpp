@@ -7,6 +7,7 @@
 //   add_rms_norm(x [T, H], residual [T, H], w, eps)     -> residual += x (in place); y = rms_norm(residual)
 //   rope(qk [T, NH, D] (rows strided), cos, signed_sin) -> rotate-half RoPE in place: q*cos + swap_halves(q)*sin
 //   silu_mul(gate_up [T, 2I])                           -> silu(gate) * up, [T, I]
+//   store_kv(kv [2, Hkv, N, D], slots [T], k, v)         -> each token's k and v [T, Hkv, D] into its pool slot
 // cos / signed_sin are [T, D] rows (signed_sin has its first half negated: see runtime/models/rope.py), in qk's dtype.
 // In bfloat16 the arithmetic is float32 and each result is rounded where PyTorch's own ops round it: RMSNorm rounds
 // the normalized row, then the product with the weight (HF's order); the residual add rounds its sum; RoPE and
@@ -16,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "../../csrc/simd.h"
@@ -261,6 +263,37 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// KVPool.store's pair of index_copy_ as one pass of row copies: a prefill chunk's keys and values, each token's rows
+// of D values into slot slots[t] of each head (SmolLM2, 2,048 tokens: 0.75 ms a layer through index_copy_, whose
+// source, a transposed view of the qkv projection, goes element by element). k and v: [T, Hkv, D], any token
+// stride, heads and values contiguous (views of the projection's output); kv: one layer of the pool, contiguous.
+void store_kv(torch::Tensor kv, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.is_contiguous(), "store_kv: kv [2, Hkv, N, D], contiguous");
+  const int64_t Hkv = kv.size(1), N = kv.size(2), D = kv.size(3);
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "store_kv: slots [T]");
+  const int64_t T = slots.size(0);
+  for (const auto* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == Hkv && t->size(2) == D && t->stride(2) == 1 &&
+                    t->stride(1) == D && t->scalar_type() == kv.scalar_type(),
+                "store_kv: k and v [T, Hkv, D] in the pool's dtype, heads and values contiguous");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  bool ok = true;  // a bad slot must not write outside the pool
+  for (int64_t t = 0; t < T; ++t) ok &= sp[t] >= 0 && sp[t] < N;
+  TORCH_CHECK(ok, "store_kv: slot out of range");
+  const int64_t es = kv.element_size(), row = D * es;
+  char* base = static_cast<char*>(kv.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * es, vs = v.stride(0) * es;
+  at::parallel_for(0, T, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t j = 0; j < Hkv; ++j) {
+        std::memcpy(base + (j * N + sp[t]) * row, kp + t * ks + j * row, row);
+        std::memcpy(base + ((Hkv + j) * N + sp[t]) * row, vp + t * vs + j * row, row);
+      }
+  });
+}
+
 }  // namespace radixserve_fused_ops
 
 void register_fused_ops(pybind11::module_& parent) {
@@ -269,4 +302,5 @@ void register_fused_ops(pybind11::module_& parent) {
   m.def("add_rms_norm", &radixserve_fused_ops::add_rms_norm, py::call_guard<py::gil_scoped_release>());
   m.def("rope", &radixserve_fused_ops::rope, py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &radixserve_fused_ops::silu_mul, py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &radixserve_fused_ops::store_kv, py::call_guard<py::gil_scoped_release>());
 }
