@@ -8,10 +8,12 @@ weights from memory, not from the caches, as a decode step does:
   (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX);
 * ``kernel``: the dot-product kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what the
   engine runs up to ``bf16_kernels.BF16_KERNEL_MAX_ROWS`` rows for a head tied to the embedding);
+* ``packed + silu_mul`` and ``gated``: the packed kernel with the MLP's SiLU-and-mul after the gate/up product, and
+  the gate/up product multiplied gated in one call (``linear_silu_mul``: what the engine runs);
 * ``onednn``: oneDNN on prepacked weights (what the engine runs with AMX, and ran everywhere before);
 * ``F.linear``: on the plain weights (the engine's path above the kernel's rows).
 
-Printed: milliseconds per layer (median of 5), and each against oneDNN.
+Printed: milliseconds per layer (median of 5), each against oneDNN, and the gated layer against the separate one.
 
 With ``--checkpoint DIR`` (a bfloat16 safetensors folder) it times instead the kernel at one row over every
 matrix of the checkpoint, mapped from its files as the loader maps them, against the same bytes copied into fresh
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import format_table, machine_summary
+from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.models.bf16_kernels import packed_ops, small_rows_kernel
 
 
@@ -105,8 +108,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                 matmul(name, n, xs[i if name == "down" else h])
         return (time.perf_counter() - start) / len(layers)  # per layer
 
+    silu_mul = load_kernels().fused_ops.silu_mul
+
+    def separate(name: str, n: int, x: torch.Tensor) -> object:  # the MLP's gate/up product, then its SiLU-and-mul
+        y = pairs_ops.linear(x, pairs[n][name], none)
+        return silu_mul(y) if name == "gate_up" else y
+
+    def gated(name: str, n: int, x: torch.Tensor) -> object:  # the same in one call
+        w = pairs[n][name]
+        return pairs_ops.linear_silu_mul(x, w, none) if name == "gate_up" else pairs_ops.linear(x, w, none)
+
     ways: dict[str, Callable[[str, int, torch.Tensor], object]] = {
         "packed": lambda name, n, x: pairs_ops.linear(x, pairs[n][name], none),
+        "packed + silu_mul": separate,
+        "gated": gated,
         "kernel": lambda name, n, x: kernel(x, layers[n][name], none),
         "onednn": lambda name, n, x: torch.ops.mkldnn._linear_pointwise(x, packed[n][name], None, "none", [], ""),
         "F.linear": lambda name, n, x: F.linear(x, plain[n][name]),
@@ -118,11 +133,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             for name, way in ways.items():
                 run(way, rows)
                 ms[name] = statistics.median(run(way, rows) for _ in range(5)) * 1e3
-            speed = (ms["onednn"] / ms[n] for n in ("packed", "kernel", "F.linear"))
-            table.append([rows, *(ms[n] for n in ways), *speed])
+            speed = [ms["onednn"] / ms[n] for n in ("packed", "kernel", "F.linear")]
+            table.append([rows, *(ms[n] for n in ways), *speed, ms["packed + silu_mul"] / ms["gated"]])
     print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads; {machine_summary()}")
-    heads = ["rows", "packed ms", "kernel ms", "oneDNN ms", "F.linear ms"]
-    print(format_table([*heads, "packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN"], table))
+    heads = ["rows", "packed ms", "+ silu_mul ms", "gated ms", "kernel ms", "oneDNN ms", "F.linear ms"]
+    tail = ["packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN", "gated x separate"]
+    print(format_table([*heads, *tail], table))
 
 
 if __name__ == "__main__":
