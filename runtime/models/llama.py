@@ -67,8 +67,11 @@ class MergedLinear(Linear):
 
     @property
     def gated(self) -> bool:
-        """Whether ``silu_mul`` runs in one kernel: a [gate; up] pair of whole 16-row blocks packed in pairs of K."""
+        """Whether ``silu_mul`` runs in one kernel: a [gate; up] pair of whole 16-row blocks packed in pairs of K,
+        with no forward hooks (the gated call does not go through ``forward``)."""
         sizes = list(self.parts.values())
+        if self._forward_hooks or self._forward_pre_hooks:
+            return False
         return self._bf16_packed and len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % 16 == 0
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
