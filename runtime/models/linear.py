@@ -255,8 +255,12 @@ class Linear(_Quantizable, nn.Linear):
         """silu(gate) * up of this [gate; up] projection (equal parts of whole 16-row blocks, packed in pairs of K)
         in one kernel, with the bits of ``fused.silu_mul`` over ``forward``'s output."""
         assert self._bf16_packed, "only a weight packed in pairs of K multiplies gated"
+        return self._packed_call(bf16_kernels.packed_ops().linear_silu_mul, x)
+
+    def _packed_call(self, op, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - a bf16_packed kernel
+        """``op`` (x, packed weight, bias) over ``x``'s rows, any leading shape."""
         bias = self.bias if self.bias is not None else _NO_BIAS
-        y = bf16_kernels.packed_ops().linear_silu_mul(x.reshape(-1, x.shape[-1]).contiguous(), self._packed, bias)
+        y = op(x.reshape(-1, x.shape[-1]).contiguous(), self._packed, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -268,10 +272,7 @@ class Linear(_Quantizable, nn.Linear):
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         if self._released:
             if self._bf16_packed:
-                shape = x.shape
-                bias = self.bias if self.bias is not None else _NO_BIAS
-                y = bf16_kernels.packed_ops().linear(x.reshape(-1, shape[-1]).contiguous(), self._packed, bias)
-                return y.view(*shape[:-1], y.shape[-1])
+                return self._packed_call(bf16_kernels.packed_ops().linear, x)
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         parts = self._plain_parts
         w = self.weight

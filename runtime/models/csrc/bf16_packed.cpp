@@ -274,14 +274,6 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
-  return product(x, packed, bias, false);
-}
-
-torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
-  return product(x, packed, bias, true);
-}
-
 // Rows `ids` of a packed weight, as the plain weight holds them: the lookups of an embedding whose tied head is
 // packed. Row r is lane r % 16 of block r / 16, one 32-bit pair every 64 bytes.
 torch::Tensor rows(torch::Tensor packed, torch::Tensor ids) {
@@ -321,16 +313,21 @@ torch::Tensor pack(std::vector<torch::Tensor>, int64_t) {
   return {};
 }
 
-torch::Tensor linear(torch::Tensor, torch::Tensor, torch::Tensor) {
+namespace {
+torch::Tensor product(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, bool) {
   TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
   return {};
+}
+}  // namespace
+#endif
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return product(x, packed, bias, false);
 }
 
-torch::Tensor linear_silu_mul(torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
-  return {};
+torch::Tensor linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  return product(x, packed, bias, true);
 }
-#endif
 
 }  // namespace radixserve_bf16_packed
 
