@@ -48,6 +48,7 @@ RUNTIME = Path(__file__).resolve().parent
 SOURCES = (
     RUNTIME / "csrc" / "module.cpp",
     RUNTIME / "csrc" / "simd.h",
+    RUNTIME / "csrc" / "balanced.h",
     RUNTIME / "csrc" / "greedy.cpp",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "attention" / "csrc" / "extend_attention.cpp",

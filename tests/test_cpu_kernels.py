@@ -60,6 +60,27 @@ def test_kernel_in_bfloat16_reads_the_pool_in_its_dtype(op, heads: int, kv_heads
 
 
 @torch.inference_mode()
+def test_rows_of_very_different_lengths_on_two_threads_equal_the_reference(op) -> None:
+    """One long row and many short ones: the thread whose share holds the long row is still on it when the other
+    has finished, so the other takes the rest of that share from its back (csrc/balanced.h). Every (row, head) is
+    still computed once, as the reference computes it."""
+    gen = torch.Generator().manual_seed(7)
+    kv = torch.randn(2, 3, 12_000, 64, generator=gen)
+    lens = torch.tensor([12_000] + [1 + i % 5 for i in range(63)])
+    slots = torch.randperm(12_000, generator=gen).repeat(len(lens), 1)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, lse = op(q, kv, slots, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    want_out, want_lse = reference_decode_attention(q, kv, slots, lens, 0.125)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
 def test_one_slot_row_shared_by_every_query(op) -> None:
     """A prefill chunk's queries over one slot table, each seeing a prefix of it: the same numbers as a table per
     query, bit for bit; a bad slot past what any query reads is not looked at, one within it is refused."""

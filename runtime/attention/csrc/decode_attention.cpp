@@ -26,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 
 namespace radixserve_decode_attention {
@@ -290,11 +291,14 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
 #ifdef __AVX512F__
   const Kernel<T> fast = pick<T>(D, G);
 #endif
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(static_cast<size_t>(G * D));
+  // Rows differ in length, so (row, head) tasks differ in cost: a thread done early takes tasks from another's share.
+  radixserve_balanced::balanced_for(B * Hkv, 1, [&](int64_t begin, int64_t end, int64_t) {
+    // A thread's buffers outlive its claims (a claim is often one task).
+    thread_local std::vector<float> scores, acc;
+    acc.resize(static_cast<size_t>(G * D));
 #ifdef RS_DECODE_AVX2
-    std::vector<float> qf(static_cast<size_t>(G * D));
+    thread_local std::vector<float> qf;
+    qf.resize(static_cast<size_t>(G * D));
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;

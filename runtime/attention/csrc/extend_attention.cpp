@@ -38,6 +38,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 
 namespace radixserve_extend_attention {
@@ -285,8 +286,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
     const int64_t n_kb = (seqs[b].kv_len + KB - 1) / KB, n_qb = (seqs[b].q_len + QB - 1) / QB;
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t kb = 0; kb < n_kb; ++kb) packs.push_back({b, h, kb});
-      // Query blocks from both ends in turn: causal blocks cost more the later they sit, and parallel_for hands
-      // each thread a contiguous range of tasks, so alternating keeps the threads' shares even.
+      // Query blocks from both ends in turn: causal blocks cost more the later they sit, and each thread starts on
+      // a contiguous share of the tasks, so alternating keeps the shares even (stealing evens out the rest).
       for (int64_t lo = 0, hi = n_qb - 1; lo <= hi; ++lo, --hi) {
         for (int64_t g0 = 0; g0 < G; g0 += MAX_GS) {
           tasks.push_back({b, h, lo, g0});
@@ -295,7 +296,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       }
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end) {
+  radixserve_balanced::balanced_for(static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end, int64_t) {
     for (int64_t t = begin; t < end; ++t) {
       const auto [b, h, kb] = packs[t];
       const Seq& sq = seqs[b];
@@ -304,7 +305,7 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
                  vt + base);
     }
   });
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  radixserve_balanced::balanced_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end, int64_t) {
     for (int64_t t = begin; t < end; ++t) {
       const auto [b, h, qb, g0] = tasks[t];
       const Seq& sq = seqs[b];

@@ -21,6 +21,7 @@
 
 #include <vector>
 
+#include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 
 namespace radixserve_bf16_linear {
@@ -115,11 +116,11 @@ torch::Tensor linear(torch::Tensor x, std::vector<torch::Tensor> parts, torch::T
   // The next block's lines, spread evenly over every k-step of this block's tiles.
   const int64_t lines = 16 * K * 2 / 64, steps = tiles_per_block(M) * (K / 32);
   const int per_step = static_cast<int>((lines + steps - 1) / steps);
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  radixserve_balanced::balanced_for(N / 16, 1, [&](int64_t begin, int64_t end, int64_t limit) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const bf16* wb = blocks[blk];
       Prefetch pf;
-      if (blk + 1 < end) {
+      if (blk + 1 < limit) {  // the block this thread most likely takes next
         pf.row = reinterpret_cast<const char*>(blocks[blk + 1]);
         pf.row_bytes = K * 2;
         pf.left = lines;

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 
 namespace radixserve_bf16_packed {
@@ -224,8 +225,9 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   const float* bp = has_bias ? bias_f.data() : nullptr;
   // Rows go in chunks of at most ~2 MB of x (in L3) while the blocks pass over it, and above 64 rows K in slices of
   // 2,048 (a run of 4 blocks' slice, 256 KB, stays in L2 for the chunk's tiles; the sums wait in float32 between
-  // slices). The work is every (chunk, block) pair, chunk by chunk, the chunks equal; each thread takes a
-  // contiguous range of it (the same number of blocks: at one row, the same bytes to stream) and multiplies its
+  // slices). The work is every (chunk, block) pair, chunk by chunk, the chunks equal; each thread starts on a
+  // contiguous share of it (the same number of blocks: at one row, the same bytes to stream), claims it a run at a
+  // time and takes runs from another's share when its own is done (balanced.h), and multiplies its
   // blocks of a chunk in runs of 4 (gated: 2 gate blocks and their 2 up blocks). (Chunks of 256 KB of x and whole
   // K ran the 1B shape's 256 rows at 0.9x oneDNN: a chunk of 16 rows for K = 8,192 re-read the weights from memory
   // 16 times.)
@@ -237,16 +239,17 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   // L2 by many tiles anyway (0.97x at 512 rows).
   const bool prefetch = M >= 4 && M <= 64;
   const int64_t run = gated ? 2 : 4;  // units of a full run
-  at::parallel_for(0, chunks * units, 1, [&](int64_t begin, int64_t end) {
+  radixserve_balanced::balanced_for(chunks * units, run, [&](int64_t begin, int64_t end, int64_t limit) {
     std::vector<float> part(slices > 1 ? chunk * 64 : 0);
     for (int64_t t = begin; t < end;) {
       const int64_t c = t / units, b0 = t % units, b1 = std::min(units, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
       const bf16* xc = xp + m0 * K;
       bf16* yc = yp + m0 * ldy;
+      const int64_t more = std::min(units, b0 + limit - t);  // this thread's likely next claims, in this chunk
       for (int64_t n = b0; n < b1;) {
         const int64_t left = b1 - n, nb = left >= run ? run : (left >= 2 ? 2 : 1);
-        const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(run, left - nb) : 0;  // next run
+        const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(run, more - n - nb) : 0;  // next run
         for (int64_t sl = 0; sl < slices; ++sl) {
           const Slice s{sl * kc / 2, std::min(kc, K - sl * kc) / 2, sl == 0, sl == slices - 1};
           float* pp = part.data();

@@ -28,8 +28,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +37,7 @@
 
 #include <unistd.h>
 
+#include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 #include "huge_slabs.h"
 
@@ -283,30 +282,13 @@ bool supported() {
 
 #include "quant_packed_pack.h"
 
-// fn(t) for every t in [0, tiles) on the intra-op threads. Each thread has a contiguous share of the tiles (its
-// weights stream from memory in order) and, once done with it, takes the tiles left in the others' shares one at a
-// time. On a machine whose cores also run the HTTP front end, the clients or another VM's work, a thread the OS
-// preempts for a few ms would otherwise hold up the whole product while the others wait for it at the end (a
-// static split). Every tile runs once, on one thread, so results do not depend on who took what.
+// fn(t) for every t in [0, tiles) on the intra-op threads: each thread streams its own contiguous share of the
+// weights in order and then takes tiles left in the others' shares (balanced.h: a thread the OS preempts does not
+// hold up the product). Every tile runs once, on one thread, so results do not depend on who took what.
 template <typename F>
 void for_tiles(int64_t tiles, const F& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
-  struct alignas(64) Share {  // a cache line each: the threads' counters do not share one
-    std::atomic<int64_t> next;
-    int64_t end;
-  };
-  std::unique_ptr<Share[]> shares(new Share[threads]);
-  for (int64_t t = 0; t < threads; ++t) {
-    shares[t].next.store(t * tiles / threads, std::memory_order_relaxed);
-    shares[t].end = (t + 1) * tiles / threads;
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t me0, int64_t me1) {
-    for (int64_t me = me0; me < me1; ++me) {
-      for (int64_t k = 0; k < threads; ++k) {
-        Share& share = shares[(me + k) % threads];
-        for (int64_t t; (t = share.next.fetch_add(1, std::memory_order_relaxed)) < share.end;) fn(t);
-      }
-    }
+  radixserve_balanced::balanced_for(tiles, 1, [&](int64_t begin, int64_t end, int64_t) {
+    for (int64_t t = begin; t < end; ++t) fn(t);
   });
 }
 
