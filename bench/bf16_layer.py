@@ -23,6 +23,7 @@ memory, alternating (why the engine moves mapped weights into memory of its own:
     python -m bench.bf16_layer --hidden 3072 --intermediate 8192
     python -m bench.bf16_layer --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30   # SmolLM2-135M
     python -m bench.bf16_layer --checkpoint ~/.cache/radixserve/bench-models/random-llama-1b
+    python -m bench.bf16_layer --hidden 576 --intermediate 1536 --kv-dim 192 --layers 30 --rows 2048 --busy 1/8
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.common import format_table, machine_summary
+from bench.common import busy_neighbour, format_table, machine_summary
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.models.bf16_kernels import packed_ops, small_rows_kernel
 
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint", type=Path, help="time mapped against copied weights of this folder instead")
+    p.add_argument("--busy", default="", help="MS/PERIOD: a busy loop in another process meanwhile (e.g. 1/8)")
     args = p.parse_args(argv)
     kernel = small_rows_kernel()
     if kernel is None or packed_ops() is None:
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "F.linear": lambda name, n, x: F.linear(x, plain[n][name]),
     }
     table = []
-    with torch.inference_mode():
+    with torch.inference_mode(), busy_neighbour(args.busy):
         for rows in (int(r) for r in args.rows.split(",")):
             ms = {}
             for name, way in ways.items():
@@ -135,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 ms[name] = statistics.median(run(way, rows) for _ in range(5)) * 1e3
             speed = [ms["onednn"] / ms[n] for n in ("packed", "kernel", "F.linear")]
             table.append([rows, *(ms[n] for n in ways), *speed, ms["packed + silu_mul"] / ms["gated"]])
-    print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads; {machine_summary()}")
+    busy = f", busy neighbour {args.busy} ms" if args.busy else ""
+    print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads{busy}; {machine_summary()}")
     heads = ["rows", "packed ms", "+ silu_mul ms", "gated ms", "kernel ms", "oneDNN ms", "F.linear ms"]
     tail = ["packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN", "gated x separate"]
     print(format_table([*heads, *tail], table))

@@ -10,6 +10,7 @@ import contextlib
 import platform
 import random
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -261,6 +262,35 @@ def machine_summary() -> str:
         f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"python {platform.python_version()}"
     )
+
+
+_BUSY_LOOP = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(period - busy)
+"""
+
+
+@contextmanager
+def busy_neighbour(spec: str) -> Iterator[None]:
+    """While open, a process that keeps a core busy ``MS`` of every ``PERIOD`` milliseconds (``spec``
+    "MS/PERIOD"; empty: none): a front end, a detokenizer or a client beside the engine's threads."""
+    if not spec:
+        yield
+        return
+    busy, period = spec.split("/")
+    if not 0 < float(busy) < float(period):
+        raise ValueError(f"a busy neighbour MS/PERIOD needs 0 < MS < PERIOD, got {spec!r}")
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, busy, period])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
