@@ -240,7 +240,9 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   const bool prefetch = M >= 4 && M <= 64;
   const int64_t run = gated ? 2 : 4;  // units of a full run
   radixserve_balanced::balanced_for(chunks * units, run, [&](int64_t begin, int64_t end, int64_t limit) {
-    std::vector<float> part(slices > 1 ? chunk * 64 : 0);
+    // The sums between slices: a thread's buffer outlives its claims (a claim is one run; up to ~0.5 MB each).
+    thread_local std::vector<float> part;
+    if (slices > 1 && part.size() < static_cast<size_t>(chunk * 64)) part.resize(static_cast<size_t>(chunk * 64));
     for (int64_t t = begin; t < end;) {
       const int64_t c = t / units, b0 = t % units, b1 = std::min(units, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
