@@ -286,6 +286,7 @@ def busy_neighbour(spec: str) -> Iterator[None]:
     if not 0 < float(busy) < float(period):
         raise ValueError(f"a busy neighbour MS/PERIOD needs 0 < MS < PERIOD, got {spec!r}")
     proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, busy, period])
+    time.sleep(0.5)  # past the interpreter's start-up, which keeps a core busy for tens of milliseconds
     try:
         yield
     finally:
