@@ -61,15 +61,19 @@ def small_rows_kernel():  # noqa: ANN202 - the compiled function or None
     return op
 
 
+def _in_blocks(parts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether weight ``parts`` fit both kernels' blocking: bfloat16 on CPU, 2-D, contiguous, K % 32 and every
+    part's N % 16."""
+    return all(
+        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+        and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0
+        for w in parts
+    )  # fmt: skip
+
+
 def weight_kernel(parts: tuple[torch.Tensor, ...]):  # noqa: ANN202
-    """The bfloat16 kernel when it applies to this weight (its parts): bfloat16 on CPU, contiguous, K % 32 and
-    every part's N % 16 (its blocking)."""
-    for w in parts:
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2:
-            return None
-        if w.shape[1] % 32 or w.shape[0] % 16 or not w.is_contiguous():
-            return None
-    return small_rows_kernel()
+    """The bfloat16 kernel when it applies to this weight (its parts, ``_in_blocks``)."""
+    return small_rows_kernel() if _in_blocks(parts) else None
 
 
 @functools.cache
@@ -106,13 +110,7 @@ def packed_ops():  # noqa: ANN202 - the compiled module or None
 def packs(parts: tuple[torch.Tensor, ...]) -> bool:
     """Whether bfloat16 weight ``parts`` are packed for ``csrc/bf16_packed.cpp`` when released: served plain on this
     CPU otherwise (``plain_bf16_weights``), on the CPU, shapes its blocks take (K % 32, each N % 16)."""
-    if not plain_bf16_weights() or packed_ops() is None:
-        return False
-    return all(
-        w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
-        and w.shape[1] % 32 == 0 and w.shape[0] % 16 == 0
-        for w in parts
-    )  # fmt: skip
+    return plain_bf16_weights() and packed_ops() is not None and _in_blocks(parts)
 
 
 @functools.cache
