@@ -81,6 +81,11 @@ def sources_key() -> str:
     return build_key("\0".join(f"{p.name}\0{p.read_text()}" for p in SOURCES))
 
 
+def build_dir() -> Path:
+    """The build folder of the current sources on this machine (what is measured of its kernels is kept there too)."""
+    return envs.cache_dir() / "kernels" / sources_key()
+
+
 @functools.cache
 def load_kernels() -> ModuleType | None:
     """The compiled kernels (built now if this machine has none yet), or ``None`` where they are off or cannot
@@ -88,11 +93,11 @@ def load_kernels() -> ModuleType | None:
     if not envs.cpu_kernels():
         return None
     try:
-        key = sources_key()
-        build_dir = envs.cache_dir() / "kernels" / key
+        folder = build_dir()
+        key = folder.name
         name = f"radixserve_kernels_{key}"
-        built = build_dir / f"{name}.so"
-        if (build_dir / BUILT_MARKER).is_file() and built.is_file():
+        built = folder / f"{name}.so"
+        if (folder / BUILT_MARKER).is_file() and built.is_file():
             # A finished build of these very sources: import it as torch's loader would, without importing the
             # builder (torch.utils.cpp_extension pulls in setuptools: ~0.2 s of every start).
             spec = importlib.util.spec_from_file_location(name, built)
@@ -102,23 +107,23 @@ def load_kernels() -> ModuleType | None:
                 return module
         from torch.utils import cpp_extension
 
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob("*.so")):
-            logger.info("compiling the CPU kernels (once per machine, about a minute) into %s", build_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            logger.info("compiling the CPU kernels (once per machine, about a minute) into %s", folder)
         # torch's builder guards the folder with a ``lock`` file that a process killed mid-build leaves behind, and
         # every later build would wait for it forever. Under our own lock (released by the kernel if its holder
         # dies) no one else is building, so such a file is stale.
-        with file_lock(build_dir.parent / f"{key}.lock", "the CPU kernels"):
-            (build_dir / "lock").unlink(missing_ok=True)
+        with file_lock(folder.parent / f"{key}.lock", "the CPU kernels"):
+            (folder / "lock").unlink(missing_ok=True)
             module = cpp_extension.load(
                 name=name,
                 sources=[str(SOURCES[0])],  # it includes the others (the headers only for the key)
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
+                build_directory=str(folder),
                 verbose=False,
             )
-            (build_dir / BUILT_MARKER).write_text(key)  # written only after a build that loaded
+            (folder / BUILT_MARKER).write_text(key)  # written only after a build that loaded
             return module
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed build: PyTorch path
         logger.warning("CPU kernels unavailable (%s: %s); using PyTorch ops", type(exc).__name__, exc)

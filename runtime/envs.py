@@ -68,3 +68,32 @@ def cpu_kernels() -> bool:
     """``RADIXSERVE_CPU_KERNELS=0`` keeps CPU attention on PyTorch ops instead of the compiled kernels of
     ``runtime.attention.cpu_kernels`` (built once per machine)."""
     return get_bool("CPU_KERNELS", True)
+
+
+BF16_LAYOUTS = ("auto", "pairs", "onednn")
+
+
+def bf16_layout() -> str:
+    """``RADIXSERVE_BF16_LAYOUT=pairs|onednn`` serves bfloat16 linear weights packed in pairs of K for the AVX-512
+    BF16 kernel, or packed for oneDNN, instead of the layout chosen for this CPU (``auto``; see
+    ``runtime.models.bf16_layout``)."""
+    value = (get("BF16_LAYOUT") or "auto").strip().lower()
+    if value not in BF16_LAYOUTS:
+        raise ValueError(f"RADIXSERVE_BF16_LAYOUT={value!r}: expected one of {', '.join(BF16_LAYOUTS)}")
+    return value
+
+
+def bf16_unpack_from_rows() -> int | None:
+    """``RADIXSERVE_BF16_UNPACK_FROM_ROWS=N``: products of ``N`` rows or more over bfloat16 weights packed in pairs
+    unpack them for oneDNN's GEMM, instead of from the row count measured on this CPU (``None``: unset; see
+    ``runtime.models.bf16_layout``)."""
+    value = get("BF16_UNPACK_FROM_ROWS")
+    if value is None:
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"RADIXSERVE_BF16_UNPACK_FROM_ROWS={value!r}: expected a row count of at least 1")
+    return rows

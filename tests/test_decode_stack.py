@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve.runtime.engine import Engine
-from radixserve.runtime.models import decode_stack, quant
+from radixserve.runtime.models import bf16_layout, decode_stack, quant
 from radixserve.runtime.models.linear import onednn_usable, plain_bf16_weights
 from radixserve.runtime.sampling_params import SamplingParams
 from tests.tiny_model import make_tiny_model
@@ -38,27 +38,37 @@ def _expects_stack(quantization: str) -> bool:
     return quant.packed_ops() is not None if quantization != "none" else True
 
 
+def _clear_choices() -> None:
+    """Forget what was decided under the environment a test changed (decided again when next asked)."""
+    onednn_usable.cache_clear()
+    plain_bf16_weights.cache_clear()
+    bf16_layout.chosen.cache_clear()
+
+
 @pytest.mark.parametrize(
-    ("arch", "dtype", "quantization", "onednn"),
+    ("arch", "dtype", "quantization", "env"),
     [
-        ("llama", "float32", "int8", True),
-        ("llama", "float32", "int4", True),
-        ("llama", "bfloat16", "int8", True),
-        ("llama", "float32", "none", True),  # oneDNN's packed weights
-        ("llama", "float32", "none", False),  # plain weights on F.linear
-        ("llama", "bfloat16", "none", True),
-        ("qwen2", "float32", "int8", True),  # q/k/v biases
-        ("qwen2", "float32", "none", True),
+        ("llama", "float32", "int8", {}),
+        ("llama", "float32", "int4", {}),
+        ("llama", "bfloat16", "int8", {}),
+        ("llama", "float32", "none", {}),  # oneDNN's packed weights
+        ("llama", "float32", "none", {"ONEDNN_LINEAR": "0"}),  # plain weights on F.linear
+        ("llama", "bfloat16", "none", {}),
+        # bfloat16 packed for oneDNN (with AMX, where measured faster); and packed in pairs, steps of three rows or
+        # more on oneDNN's GEMM over the unpacked weight (with AMX, prefill chunks): those stay off the stack
+        ("llama", "bfloat16", "none", {"BF16_LAYOUT": "onednn"}),
+        ("llama", "bfloat16", "none", {"BF16_LAYOUT": "pairs", "BF16_UNPACK_FROM_ROWS": "3"}),
+        ("qwen2", "float32", "int8", {}),  # q/k/v biases
+        ("qwen2", "float32", "none", {}),
     ],
 )
 def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str, quantization: str, onednn: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str, quantization: str, env: dict[str, str]
 ) -> None:
     folder = make_tiny_model(tmp_path / arch, arch=arch, num_layers=3, seed=11)
-    if not onednn:
-        monkeypatch.setenv("RADIXSERVE_ONEDNN_LINEAR", "0")
-        onednn_usable.cache_clear()
-        plain_bf16_weights.cache_clear()
+    for name, value in env.items():
+        monkeypatch.setenv(f"RADIXSERVE_{name}", value)
+    _clear_choices()
     try:
         runs = {}
         for stack in ("1", "0"):
@@ -71,6 +81,8 @@ def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
                 built = _model(engine).__dict__.get("_decode_stack")
                 if stack == "1":
                     assert (built is not None) == _expects_stack(quantization)
+                    if "BF16_UNPACK_FROM_ROWS" in env:  # such steps are the Python layers' (same bits or not)
+                        assert built[1] == int(env["BF16_UNPACK_FROM_ROWS"]) - 1
                 else:
                     assert "_decode_stack" not in _model(engine).__dict__  # never built when off
             finally:
@@ -78,9 +90,9 @@ def test_the_stack_gives_the_python_layers_tokens_and_logprobs(
         assert runs["1"] == runs["0"]
         assert all(len(out) == GREEDY.max_new_tokens for out in runs["1"])
     finally:
-        monkeypatch.delenv("RADIXSERVE_ONEDNN_LINEAR", raising=False)
-        onednn_usable.cache_clear()  # (computed again under the restored environment)
-        plain_bf16_weights.cache_clear()
+        for name in env:
+            monkeypatch.delenv(f"RADIXSERVE_{name}", raising=False)
+        _clear_choices()  # (decided again under the restored environment)
 
 
 def test_models_the_stack_does_not_cover_keep_the_python_layers(tmp_path: Path) -> None:

@@ -199,8 +199,12 @@ def test_onednn_linear_matches_f_linear_and_follows_weight_changes() -> None:
     check(torch.randn(8, 64))
 
 
+PAIRS_DO_NOT_SERVE = "bfloat16 weights pack for oneDNN (with AMX, where measured faster) or need AVX-512 BF16"
+
+
 def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear() -> None:
     from radixserve.runtime.cpu_features import native_bf16
+    from radixserve.runtime.models import bf16_layout
     from radixserve.runtime.models.bf16_kernels import weight_kernel
     from radixserve.runtime.models.linear import Linear, onednn_usable
 
@@ -211,9 +215,10 @@ def test_bfloat16_linear_takes_onednn_only_with_native_bf16_and_matches_f_linear
     with torch.inference_mode():
         packed = layer.pack()
         assert (packed is not None) == (bool(native_bf16()) and onednn_usable(torch.bfloat16))
-        # AVX-512 BF16 without AMX: the weight stays plain (the kernel, then F.linear); with AMX oneDNN packs it.
+        # Where the pairs serve (always without AMX; with it, as measured) the weight stays plain until released
+        # (the kernel, then F.linear); else oneDNN packs it.
         assert not (plain_bf16_weights() and packed is not None)
-        assert plain_bf16_weights() == ("avx512_bf16" in native_bf16() and "amx_bf16" not in native_bf16())
+        assert plain_bf16_weights() == ("avx512_bf16" in native_bf16() and bf16_layout.chosen().pairs)
         assert (weight_kernel((layer.weight,)) is not None) == ("avx512_bf16" in native_bf16())
         for rows in (1, 3, 8, 300):
             x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -250,7 +255,7 @@ def test_bfloat16_linear_in_parts_matches_f_linear_at_every_tile_shape() -> None
         layer.set_plain_parts(parts[:2])
 
 
-@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights pack for oneDNN (AMX) or need AVX-512 BF16")
+@pytest.mark.skipif(not plain_bf16_weights(), reason=PAIRS_DO_NOT_SERVE)
 @pytest.mark.parametrize("k", [1024, 2112])
 def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape(k: int) -> None:
     """Where bfloat16 weights are served without oneDNN (AVX-512 BF16, no AMX), releasing the plain weight packs it
@@ -292,7 +297,7 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
         torch.testing.assert_close(layer(x3), layer(x3.view(6, k)).view(2, 3, -1))
 
 
-@pytest.mark.skipif(not plain_bf16_weights(), reason="bfloat16 weights pack for oneDNN (AMX) or need AVX-512 BF16")
+@pytest.mark.skipif(not plain_bf16_weights(), reason=PAIRS_DO_NOT_SERVE)
 @pytest.mark.parametrize(("k", "width"), [(576, 1536), (2112, 80)])
 def test_a_packed_gate_up_projection_multiplies_gated_with_the_bits_of_silu_mul_over_its_output(
     k: int, width: int

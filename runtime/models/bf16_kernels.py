@@ -11,8 +11,10 @@ without a reorder). The pack is a transpose of 16 x 16 words per 64 bytes, done 
 embedding packs too, and the embedding looks its rows up in the packed copy
 (``Embedding.read_packed_rows``). A weight that does not pack (a tied head whose vocabulary is not a multiple of 16,
 ``--keep-plain-weights``) stays plain: up to ``BF16_KERNEL_MAX_ROWS`` rows it takes the dot-product kernel, which
-reads the weight in place, and ``F.linear`` above. With AMX, oneDNN's packed kernels run on the tile units and
-stay; the dot-product kernel then serves only one to three rows, where it is the faster, for a weight kept plain.
+reads the weight in place, and ``F.linear`` above. With AMX, which layout serves is measured on the machine
+(``bf16_layout``): the pairs, whose steps of many rows then unpack the weight for oneDNN's GEMM on the tile units
+(``unpacked_product``), or oneDNN's packed layout; with the latter the dot-product kernel serves only one to three
+rows, where it is the faster, for a weight kept plain.
 
 ``linear.Linear`` asks this module which kernel a weight takes; the kernels themselves are C++ (``csrc/``).
 """
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from radixserve.runtime import envs
 from radixserve.runtime.cpu_features import native_bf16
+from radixserve.runtime.models import bf16_layout
 
 logger = logging.getLogger("radixserve.model")
 
@@ -116,9 +119,54 @@ def packs(parts: tuple[torch.Tensor, ...]) -> bool:
 @functools.cache
 def plain_bf16_weights() -> bool:
     """Whether bfloat16 weights on this CPU are served by the AVX-512 BF16 kernels rather than packed for oneDNN
-    (see the module doc): AVX-512 BF16 without AMX, the kernel built and checked. They load plain (the loader maps
-    the file) and pack in pairs of K when released (``csrc/bf16_packed.cpp``); what does not pack stays plain."""
-    return envs.onednn_linear() and "amx_bf16" not in native_bf16() and small_rows_kernel() is not None
+    (see the module doc): the kernels built and checked, and the pairs this machine's layout (``bf16_layout``:
+    always without AMX, measured with it). They load plain (the loader maps the file) and pack in pairs of K when
+    released (``csrc/bf16_packed.cpp``); what does not pack stays plain."""
+    if not envs.onednn_linear() or small_rows_kernel() is None:
+        return False
+    if packed_ops() is None:  # the dot-product kernel alone: it serves up to 32 rows, F.linear above
+        return "amx_bf16" not in native_bf16()
+    return bf16_layout.chosen().pairs
+
+
+def unpack_from_rows() -> int:
+    """Products of this many rows or more over weights packed in pairs go to ``unpacked_product`` (``bf16_layout``:
+    with AMX, as measured; without it, never)."""
+    return bf16_layout.chosen().unpack_from_rows
+
+
+# ``unpacked_product`` unpacks a weight this many bytes at a time at most (a slice of output channels): a prefill
+# step's transient memory stays small beside the weights (a 1B model's gate/up projection is 64 MB).
+UNPACK_SLICE_BYTES = 16 * 2**20
+
+
+def unpacked_product(
+    x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, gated: bool
+) -> torch.Tensor:
+    """What ``packed_ops().linear`` (``gated``: ``linear_silu_mul``) gives for ``x2`` [M, K], by ``F.linear`` over
+    the weight unpacked from pairs of K a slice of output channels at a time: oneDNN's GEMM, which with AMX runs on
+    the tile units, for steps of many rows (``unpack_from_rows``). Rounding is the GEMM's; gated, SiLU-and-mul is
+    ``fused.silu_mul``'s over the [gate; up] product."""
+    from radixserve.runtime.models import fused
+
+    ops = packed_ops()
+    blocks, k = packed.shape[0], packed.shape[1] // 16
+    bias = bias if bias is not None and bias.numel() else None
+    if 32 * k * blocks <= UNPACK_SLICE_BYTES:  # whole: [gate; up] unpacks as it multiplies
+        y = F.linear(x2, ops.unpack(packed), bias)
+        return fused.silu_mul(y) if gated else y
+    units = blocks // 2 if gated else blocks  # output blocks of 16 channels (gated: each a gate and an up block)
+    step = max(1, UNPACK_SLICE_BYTES // (32 * k * (2 if gated else 1)))
+    out = x2.new_empty((x2.shape[0], 16 * units))
+    for b0 in range(0, units, step):
+        b1 = min(units, b0 + step)
+        spans = ((b0, b1), (units + b0, units + b1)) if gated else ((b0, b1),)
+        ws = [ops.unpack(packed[s0:s1]) for s0, s1 in spans]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
+        b = torch.cat([bias[16 * s0 : 16 * s1] for s0, s1 in spans]) if bias is not None else None
+        y = F.linear(x2, w, b)
+        out[:, 16 * b0 : 16 * b1] = fused.silu_mul(y) if gated else y
+    return out
 
 
 def bf16_kernel_max_rows() -> int:

@@ -32,7 +32,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.attention.base import ForwardContext
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.models import fused, quant
-from radixserve.runtime.models.bf16_kernels import bf16_kernel_max_rows, weight_kernel
+from radixserve.runtime.models.bf16_kernels import bf16_kernel_max_rows, unpack_from_rows, weight_kernel
 from radixserve.runtime.models.linear import Linear
 
 logger = logging.getLogger("radixserve.model")
@@ -133,9 +133,10 @@ def _linear_op(ds: Any, linear: Linear, gated: bool = False) -> tuple[Any, int]:
             quantized.shape[1], bias,
         )  # fmt: skip
         return op, rows
-    if linear._released:  # only the packed copy: Linear calls its kernel at every row count
+    if linear._released:  # only the packed copy: Linear calls its kernel (the pairs: below unpack_from_rows)
         kind = (5 if gated else 4) if linear._bf16_packed else 3
-        return ds.linear(kind, [linear._packed], [], [], linear.in_features, bias), 1 << 30
+        rows = unpack_from_rows() - 1 if linear._bf16_packed else 1 << 30
+        return ds.linear(kind, [linear._packed], [], [], linear.in_features, bias), rows
     weights = list(linear._plain_parts) or [linear.weight]
     if weights[0].dtype == torch.bfloat16 and weight_kernel(tuple(weights)) is not None:
         return ds.linear(1, [w.detach() for w in weights], [], [], weights[0].shape[1], bias), bf16_kernel_max_rows()

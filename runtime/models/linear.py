@@ -23,8 +23,9 @@ kernels beat ``F.linear`` (which reaches oneDNN without the reorder) 1.4-2x up t
 rate (``bench/linear_kernels.py``). Without those instructions bfloat16 products are emulated and ``F.linear``
 is kept. Anything else (CUDA, float16, autograd, a torch without these oneDNN ops) takes ``F.linear``.
 
-Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), bfloat16 weights are served by kernels of
-their own instead (``runtime.models.bf16_kernels``): packed in pairs of K when released, or plain.
+Where the CPU has AVX-512 BF16 but no AMX (the 2-core AMD EPYC, Zen 4), and with AMX where that measured faster
+(``runtime.models.bf16_layout``), bfloat16 weights are served by kernels of their own instead
+(``runtime.models.bf16_kernels``): packed in pairs of K when released, or plain.
 """
 
 from __future__ import annotations
@@ -255,12 +256,19 @@ class Linear(_Quantizable, nn.Linear):
         """silu(gate) * up of this [gate; up] projection (equal parts of whole 16-row blocks, packed in pairs of K)
         in one kernel, with the bits of ``fused.silu_mul`` over ``forward``'s output."""
         assert self._bf16_packed, "only a weight packed in pairs of K multiplies gated"
-        return self._packed_call(bf16_kernels.packed_ops().linear_silu_mul, x)
+        return self._packed_call(x, gated=True)
 
-    def _packed_call(self, op, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - a bf16_packed kernel
-        """``op`` (x, packed weight, bias) over ``x``'s rows, any leading shape."""
-        bias = self.bias if self.bias is not None else _NO_BIAS
-        y = op(x.reshape(-1, x.shape[-1]).contiguous(), self._packed, bias)
+    def _packed_call(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """The product over the weight packed in pairs of K (``gated``: silu(gate) * up), ``x``'s rows in any leading
+        shape: the pairs' kernel, or oneDNN's GEMM over the weight unpacked for a step of many rows (with AMX,
+        ``bf16_kernels.unpack_from_rows``)."""
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if x2.shape[0] >= bf16_kernels.unpack_from_rows():
+            y = bf16_kernels.unpacked_product(x2, self._packed, self.bias, gated)
+        else:
+            ops = bf16_kernels.packed_ops()
+            bias = self.bias if self.bias is not None else _NO_BIAS
+            y = (ops.linear_silu_mul if gated else ops.linear)(x2, self._packed, bias)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +280,7 @@ class Linear(_Quantizable, nn.Linear):
             return quant.linear(x, self.quant, self.bias)  # type: ignore[arg-type]
         if self._released:
             if self._bf16_packed:
-                return self._packed_call(bf16_kernels.packed_ops().linear, x)
+                return self._packed_call(x)
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         parts = self._plain_parts
         w = self.weight

@@ -305,8 +305,35 @@ torch::Tensor rows(torch::Tensor packed, torch::Tensor ids) {
   return out;
 }
 
+// The plain weight [N, K] of a packed one (a run of whole blocks of it): pack's transpose undone, since the 16 x 16
+// transpose of 32-bit pairs is its own inverse. For the products that go to oneDNN's GEMM instead of this kernel
+// (bf16_kernels: with AMX, steps of many rows).
+torch::Tensor unpack(torch::Tensor packed) {
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) % 512 == 0,
+              "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's)");
+  const int64_t K = packed.size(1) / 16, blocks = packed.size(0);
+  auto out = torch::empty({blocks * 16, K}, packed.options());
+  const bf16* src = packed.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    __m512i v[16];
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t k = 0; k < K; k += 32) {
+        transpose16(src + b * 16 * K + k * 16, 32, 0, v);  // pairs k / 2 ... k / 2 + 15, 32 values apart
+        for (int r = 0; r < 16; ++r) _mm512_storeu_si512(dst + (b * 16 + r) * K + k, v[r]);
+      }
+  });
+  return out;
+}
+
 #else
 constexpr bool AVAILABLE = false;
+
+torch::Tensor unpack(torch::Tensor) {
+  TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
+  return {};
+}
 
 torch::Tensor rows(torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "bf16_packed: built without AVX-512 BF16");
@@ -342,6 +369,8 @@ void register_bf16_packed(pybind11::module_& parent) {
   m.def("pack", &radixserve_bf16_packed::pack, "bfloat16 weight parts [N_i, K] packed in pairs of K for linear",
         py::arg("parts"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>());
   m.def("rows", &radixserve_bf16_packed::rows, "rows of a packed weight, as the plain weight holds them",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("unpack", &radixserve_bf16_packed::unpack, "the plain weight [N, K] of a packed one (its blocks)",
         py::call_guard<py::gil_scoped_release>());
   m.def("linear", &radixserve_bf16_packed::linear, "bfloat16 x @ w^T (+ bias) over pack's layout (AVX-512 BF16)",
         py::call_guard<py::gil_scoped_release>());
