@@ -18,12 +18,16 @@ steps adds ~6% to decode time, which it did while only probes losing by more tha
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 MAX_TUNED_TOKENS = 64
 PROBE_EVERY = 16
@@ -105,8 +109,42 @@ def one_intra_op_thread() -> Iterator[None]:
     and then libgomp stops letting idle workers spin between ops: each op of a decode step pays for waking them
     (an 8-row SmolLM2-135M decode step on 2 cores: 33 ms with one team, 52 ms with two)."""
     threads = torch.get_num_threads()
+    _outside.append(threads)
     torch.set_num_threads(1)
     try:
         yield
     finally:
+        _outside.pop()
         torch.set_num_threads(threads)
+
+
+_outside: list[int] = []  # the thread counts that one_intra_op_thread bodies run inside of, outermost first
+
+
+def serving_threads() -> int:
+    """The intra-op thread count steps run with (outside ``one_intra_op_thread``, which loading runs inside)."""
+    return _outside[0] if _outside else torch.get_num_threads()
+
+
+def on_a_thread_of_its_own(fn: Callable[[], T], threads: int) -> T:
+    """``fn()`` on a new thread running ops on ``threads`` intra-op threads, e.g. timing kernels as steps will run
+    them while loading runs on one (``one_intra_op_thread``). Its OpenMP team ends with it (libgomp frees a thread's
+    team when the thread exits), so the process keeps one team beside the engine's, as before."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+    before = torch.get_num_threads()
+
+    def body() -> None:
+        torch.set_num_threads(threads)
+        try:
+            done.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=body, name="radixserve-timing")
+    thread.start()
+    thread.join()
+    torch.set_num_threads(before)  # (the count is process-wide in PyTorch; the caller's is back)
+    if failed:
+        raise failed[0]
+    return done[0]

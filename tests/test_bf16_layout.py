@@ -25,13 +25,16 @@ def fresh_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # noqa: ANN2
     bf16_layout.chosen.cache_clear()
 
 
-def _found(pairs: float, onednn: float, unpack_from_rows: int) -> dict:
-    """A measurement with these milliseconds at each of ``DECODE_ROWS`` rows."""
-    per_rows = {str(r): 0.0 for r in bf16_layout.DECODE_ROWS}
+def _found(pairs: bool, unpack_from_rows: int) -> dict:
+    """A measurement that chose the pairs or not (its figures only for the log line)."""
+    decode = {"1": 1.0, "16": 2.0}
     return {
-        "pairs": pairs < onednn,
+        "pairs": pairs,
         "unpack_from_rows": unpack_from_rows,
-        "decode_ms": {"pairs": {**per_rows, "1": pairs}, "onednn": {**per_rows, "1": onednn}},
+        "chunk_ratio": 1.1,
+        "threads": 2,
+        "decode_ms": {"pairs": decode, "onednn": decode},
+        "many_rows_ms": {"1024": {"pairs": 3.0, "onednn": 3.0, "unpacked": 3.0}},
     }
 
 
@@ -53,9 +56,9 @@ def test_with_amx_the_measured_layout_serves_and_the_environment_overrides_it(mo
         return bf16_layout.chosen()
 
     amx = {"avx512_bf16", "amx_bf16"}
-    found.append(_found(pairs=5.0, onednn=9.0, unpack_from_rows=256))
+    found.append(_found(pairs=True, unpack_from_rows=256))
     assert choose(amx) == bf16_layout.Bf16Layout(True, 256, "measured on this CPU")
-    found.append(_found(pairs=9.0, onednn=5.0, unpack_from_rows=64))  # kept beside the kernels: not measured again
+    found.append(_found(pairs=False, unpack_from_rows=64))  # kept beside the kernels: not measured again
     assert choose(amx).pairs
     for path in Path(bf16_layout.envs.cache_dir()).rglob(bf16_layout.CACHE_FILE):
         path.unlink()
@@ -77,19 +80,27 @@ def test_with_amx_the_measured_layout_serves_and_the_environment_overrides_it(mo
 @needs_pairs
 @pytest.mark.usefixtures("fresh_choice")
 def test_measuring_times_both_layouts_and_keeps_what_it_found() -> None:
-    """A (small) measurement times both layouts at each decode row count and unpacking at each larger one until it
-    wins; ``measured`` keeps it beside the compiled kernels and reads it back."""
-    found = bf16_layout.measure(weights=2, shape=(64, 128), decode_rows=(1, 3), unpack_rows=(64, 128), rounds=1)
-    assert found["weights"] == [2, 64, 128]
+    """A (small) measurement, on a thread of its own as at a start, times both layouts at each decode row count, and
+    the pairs' kernel, the pairs unpacked and oneDNN's layout at each larger one. The pairs are chosen where they
+    are faster at decode (summed) and their faster way with the last, largest chunk is within ``CHUNK_SLACK`` of
+    oneDNN's; they unpack from the first row count where that beat their kernel. ``measured`` keeps it beside the
+    compiled kernels."""
+    from radixserve.runtime.threads import on_a_thread_of_its_own
+
+    found = on_a_thread_of_its_own(
+        lambda: bf16_layout.measure(weights=4, shape=(64, 128), decode_rows=(1, 3), many_rows=(64, 128), rounds=1), 2
+    )
+    assert found["weights"] == [4, 64, 128] and found["threads"] == 2
+    decode, many = found["decode_ms"], found["many_rows_ms"]
     for layout in ("pairs", "onednn"):
-        assert set(found["decode_ms"][layout]) == {"1", "3"}
-        assert all(ms > 0 for ms in found["decode_ms"][layout].values())
-    assert found["pairs"] == (sum(found["decode_ms"]["pairs"].values()) < sum(found["decode_ms"]["onednn"].values()))
-    timed = found["unpack_ms"]
-    assert list(timed)[0] == "64" and all(t["pairs"] > 0 and t["unpacked"] > 0 for t in timed.values())
-    won = [int(rows) for rows, t in timed.items() if t["unpacked"] < t["pairs"]]
+        assert set(decode[layout]) == {"1", "3"} and all(ms > 0 for ms in decode[layout].values())
+    assert set(many) == {"64", "128"} and all(set(t) == {"pairs", "onednn", "unpacked"} for t in many.values())
+    chunk = many["128"]
+    assert found["chunk_ratio"] == pytest.approx(min(chunk["pairs"], chunk["unpacked"]) / chunk["onednn"])
+    faster = sum(decode["pairs"].values()) < sum(decode["onednn"].values())
+    assert found["pairs"] == (faster and found["chunk_ratio"] <= bf16_layout.CHUNK_SLACK)
+    won = [int(rows) for rows, t in many.items() if t["unpacked"] < t["pairs"]]
     assert found["unpack_from_rows"] == (won[0] if won else bf16_layout.NEVER)
-    assert won in ([], [int(list(timed)[-1])])  # it stops where unpacking first wins
 
     from radixserve.runtime.cpu_ext import build_dir
 

@@ -14,7 +14,8 @@ from radixserve.runtime.kv_pool import KVPool
 
 
 def _expected_op() -> bool:
-    """Where the kernel must be in use: a build with AVX-512 BF16 and a CPU without AMX (SDPA is faster there)."""
+    """Where the kernel must be in use: a build with AVX-512 BF16 and a CPU without AMX (with AMX, where it measured
+    faster than SDPA: see test_with_amx_the_faster_of_the_kernel_and_sdpa_serves)."""
     module = load_kernels()
     return module is not None and module.extend_attention.available() and "amx_bf16" not in cpu_flags()
 
@@ -24,7 +25,7 @@ def op():
     kernel = extend_attention_op()
     if kernel is None:
         assert not _expected_op(), "the prefill-attention kernel built but failed its self-check (see the log)"
-        pytest.skip("no AVX-512 BF16 without AMX on this CPU: prefill attention stays on SDPA")
+        pytest.skip("no AVX-512 BF16, or AMX where SDPA measured faster: prefill attention stays on SDPA")
     return kernel
 
 
@@ -139,3 +140,39 @@ def test_a_tokens_result_does_not_depend_on_its_chunk(op, window: int) -> None:
         pieces.append(op(chunk, kv, slots, torch.tensor([[0, n, start + n, 0]]), 0.125, window))
         start += n
     assert torch.equal(torch.cat(pieces), whole)
+
+
+def test_with_amx_the_faster_of_the_kernel_and_sdpa_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a CPU with AMX the first start times the kernel against SDPA and keeps what it found beside the compiled
+    kernels; the faster serves, and a later start reads the file instead of timing again. The timing itself (small
+    here) gives each chunk's medians for both."""
+    from radixserve.runtime.attention import cpu_kernels
+    from radixserve.runtime.threads import on_a_thread_of_its_own
+
+    module = load_kernels()
+    if module is None or not module.extend_attention.available():
+        pytest.skip("no AVX-512 BF16 build: there is no kernel to time")
+    kernel = module.extend_attention.extend_attention
+    small = on_a_thread_of_its_own(
+        lambda: cpu_kernels.prefill_timings(kernel, heads=(4, 2, 64), chunks=((64, 64), (16, 80)), rounds=1), 2
+    )
+    for path in ("kernel_ms", "sdpa_ms"):
+        assert set(small[path]) == {"64/64", "16/80"} and all(ms > 0 for ms in small[path].values())
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    timed: list[dict] = []
+    monkeypatch.setattr(cpu_kernels, "prefill_timings", lambda op: timed[-1])
+    try:
+        timed.append({"kernel_ms": {"1024/1024": 10.0}, "sdpa_ms": {"1024/1024": 20.0}})
+        cpu_kernels.extend_attention_op.cache_clear()
+        assert cpu_kernels.extend_attention_op() is not None
+        timed.append({"kernel_ms": {"1024/1024": 20.0}, "sdpa_ms": {"1024/1024": 10.0}})
+        cpu_kernels.extend_attention_op.cache_clear()
+        assert cpu_kernels.extend_attention_op() is not None  # the file: not timed again
+        for kept in tmp_path.rglob(cpu_kernels.PREFILL_TIMINGS):
+            kept.unlink()
+        cpu_kernels.extend_attention_op.cache_clear()
+        assert cpu_kernels.extend_attention_op() is None
+    finally:
+        cpu_kernels.extend_attention_op.cache_clear()  # (decided again for this machine when next asked)

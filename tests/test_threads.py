@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radixserve.runtime.threads import BACKOFF_RATIO, MAX_PROBE_EVERY, MAX_TUNED_TOKENS, PROBE_EVERY, StepThreads
@@ -63,3 +64,20 @@ def test_step_restores_the_configured_thread_count() -> None:
         with tuner.step(8) as threads:
             assert torch.get_num_threads() == threads
         assert torch.get_num_threads() == before
+
+
+def test_timing_on_a_thread_of_its_own_runs_on_the_serving_thread_count_and_gives_back_the_callers() -> None:
+    """Inside ``one_intra_op_thread`` (loading), ``on_a_thread_of_its_own`` runs its function with the thread count
+    steps run with (``serving_threads``), returns its value or raises its error, and leaves the caller's count."""
+    from radixserve.runtime.threads import on_a_thread_of_its_own, one_intra_op_thread, serving_threads
+
+    configured = torch.get_num_threads()
+    seen: list[int] = []
+    with one_intra_op_thread():
+        assert torch.get_num_threads() == 1 and serving_threads() == configured
+        got = on_a_thread_of_its_own(lambda: seen.append(torch.get_num_threads()) or "done", serving_threads())
+        assert got == "done" and seen == [configured] and torch.get_num_threads() == 1
+        with pytest.raises(ZeroDivisionError):
+            on_a_thread_of_its_own(lambda: 1 / 0, 2)
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == configured and serving_threads() == configured

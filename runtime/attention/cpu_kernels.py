@@ -6,11 +6,12 @@ so it writes and re-reads them; ``csrc/decode_attention.cpp`` reads each key and
 where the CPU has it (SmolLM2-135M, 8 rows of ~500 tokens on the 2-core reference machine: ~270 -> ~150 us per
 layer, about 10% of a decode step).
 
-Prefill attention in bfloat16 has a kernel too, where the CPU has AVX-512 BF16 but no AMX
-(``csrc/extend_attention.cpp``): every long prefill chunk of a step in one call, its cached prefix read from the
-pool in place, products on vdpbf16ps. There SDPA's flash kernel widens bfloat16 to float32 for sgemm (2-core Zen 4,
-SmolLM2's heads, one 600-token prompt: 9.1 -> 2.2 ms a layer, 46 -> 193 GFLOP/s); with AMX, SDPA multiplies on the
-tile unit (310-490 GFLOP/s measured on the 2-core Xeon) and stays.
+Prefill attention in bfloat16 has a kernel too, where the CPU has AVX-512 BF16 (``csrc/extend_attention.cpp``):
+every long prefill chunk of a step in one call, its cached prefix read from the pool in place, products on
+vdpbf16ps. Without AMX, SDPA's flash kernel widens bfloat16 to float32 for sgemm (2-core Zen 4, SmolLM2's heads, one
+600-token prompt: 9.1 -> 2.2 ms a layer, 46 -> 193 GFLOP/s); with AMX, SDPA multiplies on the tile unit (310-490
+GFLOP/s measured on the 2-core Xeon), and which of the two serves is timed on the machine's first start
+(``prefill_timings``, kept beside the compiled kernels: ``runtime.measured``).
 
 They are built once per machine by ``runtime.cpu_ext``; a machine without a compiler, a failed build, or a kernel that
 disagrees with PyTorch on a self-check keeps the PyTorch path (logged once), and ``RADIXSERVE_CPU_KERNELS=0`` turns
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
+from radixserve.runtime.measured import once, race
 from radixserve.runtime.threads import one_intra_op_thread
 
 logger = logging.getLogger("radixserve.kernels")
@@ -169,11 +171,68 @@ def _self_check_extend(op: ExtendAttention) -> bool:
 
 @functools.cache
 def extend_attention_op() -> ExtendAttention | None:
-    """The compiled bfloat16 prefill-attention kernel, or ``None`` where the CPU has AMX (SDPA is faster there),
-    lacks AVX-512 BF16, the kernels are off or cannot be built, or it fails its check."""
-    if "amx_bf16" in cpu_flags():
-        return None
+    """The compiled bfloat16 prefill-attention kernel, or ``None`` where the CPU lacks AVX-512 BF16, the kernels are
+    off or cannot be built, it fails its check, or the CPU has AMX and SDPA measured faster there
+    (``prefill_timings``)."""
     module = load_kernels()
     if module is None or not module.extend_attention.available():
         return None
-    return _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
+    op = _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
+    if op is None or "amx_bf16" not in cpu_flags():
+        return op
+    found = once(PREFILL_TIMINGS, {"kernel_ms", "sdpa_ms"}, lambda: prefill_timings(op), "bfloat16 prefill attention")
+    kernel, sdpa = sum(found["kernel_ms"].values()), sum(found["sdpa_ms"].values())
+    logger.info(
+        "bfloat16 prefill attention: %s (measured on this CPU: the kernel %.1f ms, SDPA %.1f ms)",
+        "the compiled kernel" if kernel < sdpa else "SDPA",
+        kernel,
+        sdpa,
+    )
+    return op if kernel < sdpa else None
+
+
+PREFILL_TIMINGS = "prefill_attention.json"
+
+
+def prefill_timings(
+    op: ExtendAttention,
+    heads: tuple[int, int, int] = (16, 4, 64),
+    chunks: tuple[tuple[int, int], ...] = ((1024, 1024), (256, 1280)),
+    rounds: int = 3,
+) -> dict:
+    """Median milliseconds of the prefill kernel and of SDPA as ``TorchReferenceBackend`` calls it, on the caller's
+    intra-op threads, for each chunk (q_len, kv_len) of ``heads`` (query heads, KV heads, head size): by default a
+    fresh 1,024-token chunk (SDPA causal over the step's own keys) and a 256-token chunk after a cached 1,024-token
+    prefix (SDPA over keys gathered from the pool, with a mask). With AMX, SDPA multiplies on the tile units (310-490
+    GFLOP/s on the 2-core Xeon); the kernel, on vdpbf16ps, reads the prefix in place."""
+    n_heads, kv_heads, dim = heads
+    gen = torch.Generator().manual_seed(0)
+    size = max(kv_len for _, kv_len in chunks)
+    kv = torch.randn(2, kv_heads, size, dim, generator=gen).bfloat16()
+    found: dict[str, dict[str, float]] = {"kernel_ms": {}, "sdpa_ms": {}}
+    with torch.inference_mode():
+        for q_len, kv_len in chunks:
+            q = torch.randn(q_len, n_heads, dim, generator=gen).bfloat16()
+            slots = torch.randperm(size, generator=gen)[:kv_len]
+            seqs = torch.tensor([[0, q_len, kv_len, 0]])
+            qs = q.transpose(0, 1).unsqueeze(0)
+            if q_len == kv_len:
+                new = kv[:, :, slots].permute(0, 2, 1, 3).contiguous()  # the step's k and v, [T, Hkv, D] each
+
+                def sdpa(new: torch.Tensor = new, qs: torch.Tensor = qs) -> torch.Tensor:
+                    ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in new)
+                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+            else:
+                index = (torch.arange(2 * kv_heads)[:, None] * size + slots[None, :]).reshape(-1)
+                mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+
+                def sdpa(index: torch.Tensor = index, mask: torch.Tensor = mask, qs: torch.Tensor = qs) -> torch.Tensor:
+                    rows = kv.view(-1, dim).index_select(0, index).view(2, 1, kv_heads, -1, dim)
+                    return F.scaled_dot_product_attention(qs, rows[0], rows[1], attn_mask=mask, enable_gqa=True)
+
+            key = f"{q_len}/{kv_len}"
+            found["kernel_ms"][key], found["sdpa_ms"][key] = race(
+                [lambda q=q, slots=slots, seqs=seqs: op(q, kv, slots, seqs, dim**-0.5, 0), sdpa], rounds
+            )
+    return found

@@ -3,44 +3,47 @@
 Two layouts serve a bfloat16 weight on a CPU with AVX-512 BF16 (``bf16_kernels``, ``linear``):
 
 * **pairs**: packed in pairs of K for ``csrc/bf16_packed.cpp``, whose one kernel multiplies every row count with
-  ``vdpbf16ps``; with AMX, a product of ``unpack_from_rows`` rows or more (a prefill chunk) unpacks the weight a
-  slice at a time for oneDNN's GEMM, which runs on the tile units (``bf16_kernels.unpacked_product``);
+  ``vdpbf16ps``; from ``unpack_from_rows`` rows on (with AMX, prefill chunks) a product unpacks the weight a slice at
+  a time for oneDNN's GEMM instead, which runs on the tile units (``bf16_kernels.unpacked_product``);
 * **onednn**: packed for oneDNN (its kernels at every row count; with AMX, on the tile units).
 
-Without AMX the pairs win at every row count (2-core AMD EPYC Zen 4: one layer of SmolLM2's shapes 0.32 against
-0.46 ms at 16 rows for the next best kernel, 34.7 against ``F.linear``'s 38.2 ms at 2,048; docs/benchmarks.md),
-and are chosen without measuring. With AMX the answer is the machine's: the tile units multiply a prefill chunk
-several times faster than ``vdpbf16ps``, but a decode step streams the weights, which oneDNN did at ~13 GB/s of the
-~25 GB/s the 2-core Xeon reads (docs/benchmarks.md, 2026-12-02). So the first start on such a CPU times both
-layouts (``measure``, on one thread: the loader's, see ``runtime.threads.one_intra_op_thread``) at 1 and 16 rows
-over 96 MB of weights, more than a cache holds, and keeps the faster; with the pairs, it times them against
-unpacking at 64, 256 and 1,024 rows for ``unpack_from_rows``. What it measured is kept beside the compiled kernels
-(``cpu_ext.build_dir``: one per machine and kernel sources) and logged. ``RADIXSERVE_BF16_LAYOUT=pairs|onednn``
-and ``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` override the choice (``runtime.envs``).
+Without AMX the pairs serve at every row count (2-core AMD EPYC Zen 4: one layer of SmolLM2's shapes 0.35 against
+oneDNN's 0.53 ms at 16 rows, 36.0 against 34.3 ms at 2,048; every served workload faster; docs/benchmarks.md),
+chosen without measuring. With AMX the answer is the machine's: the tile units multiply a prefill chunk several
+times faster than ``vdpbf16ps``, but a decode step streams the weights, which oneDNN did at ~13 GB/s of the ~25 GB/s
+the 2-core Xeon reads (docs/benchmarks.md, 2026-12-02). So the first start on such a CPU times them (``measure``, on
+the threads steps run with; ``runtime.measured``): both layouts at 1 and 16 rows over 96 MB of weights, more than a
+cache holds, and the pairs' kernel, the pairs unpacked and oneDNN's layout at 64, 256 and 1,024 rows.
+``unpack_from_rows`` is the first of those where unpacking beat the pairs' kernel; the pairs serve where they are
+faster at decode and not much slower on a chunk (``CHUNK_SLACK``). What was measured is kept beside the compiled
+kernels (one file per machine and kernel sources) and logged. ``RADIXSERVE_BF16_LAYOUT=pairs|onednn`` and
+``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` override the choice (``runtime.envs``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.runtime import envs
 from radixserve.runtime.cpu_features import cpu_flags
+from radixserve.runtime.measured import once, race
 
 logger = logging.getLogger("radixserve.model")
 
 NEVER = 1 << 30  # a row count no step reaches: the pairs' kernel takes every product
 CACHE_FILE = "bf16_layout.json"
+# The layouts are compared on decode steps of these many rows (summed) and on a prefill chunk of the last of
+# MANY_ROWS rows; the pairs serve where they are faster at decode and their chunk (their kernel's or unpacked) takes
+# at most CHUNK_SLACK times oneDNN's. Why not a single mix: a chunk costs as much as ~40 decode steps, and which share
+# a workload spends in each varies (prefix-cached traffic is mostly decode); on the 2-core Zen 4 the pairs serve
+# every workload best (docs/benchmarks.md) with a chunk at 1.07x oneDNN's and decode 1.2-2x faster.
 DECODE_ROWS = (1, 16)
-UNPACK_ROWS = (64, 256, 1024)
+CHUNK_SLACK = 1.15
+MANY_ROWS = (64, 256, 1024)
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,16 @@ def chosen() -> Bf16Layout:
     )
     decode = found["decode_ms"]
     logger.info(
-        "bfloat16 weights %s (%s; %s rows, one thread: pairs %s ms, oneDNN %s ms over 96 MB of weights)%s",
+        "bfloat16 weights %s (%s, %d threads: decode steps of %s rows %s ms in pairs, %s ms in oneDNN's layout; a "
+        "%s-row chunk %.2fx oneDNN's in pairs)%s",
         "packed in pairs of K" if layout.pairs else "packed for oneDNN",
         layout.why,
-        "/".join(str(r) for r in DECODE_ROWS),
-        "/".join(f"{decode['pairs'][str(r)]:.1f}" for r in DECODE_ROWS),
-        "/".join(f"{decode['onednn'][str(r)]:.1f}" for r in DECODE_ROWS),
+        found["threads"],
+        "/".join(decode["pairs"]),
+        "/".join(f"{ms:.1f}" for ms in decode["pairs"].values()),
+        "/".join(f"{ms:.1f}" for ms in decode["onednn"].values()),
+        list(found["many_rows_ms"])[-1],
+        found["chunk_ratio"],
         f"; from {layout.unpack_from_rows} rows the pairs unpack for oneDNN's GEMM"
         if layout.pairs and layout.unpack_from_rows < NEVER
         else "",
@@ -85,92 +92,64 @@ def chosen() -> Bf16Layout:
 
 
 def measured() -> dict:
-    """What ``measure`` found on this machine: read from beside the compiled kernels, or measured now and kept."""
-    from radixserve.runtime.cpu_ext import build_dir
-
-    path = build_dir() / CACHE_FILE
-    try:
-        found = json.loads(path.read_text())
-        if {"pairs", "unpack_from_rows", "decode_ms"} <= found.keys():
-            return found
-    except (OSError, ValueError):
-        pass
-    logger.info("timing the bfloat16 weight layouts on this CPU (once per machine, about a second)")
-    found = measure()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{CACHE_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(found, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        logger.warning("could not keep the bfloat16 layout timings in %s (%s)", path, exc)
-    return found
-
-
-def _medians(first: Callable[[], None], second: Callable[[], None], rounds: int) -> tuple[float, float]:
-    """Median milliseconds of ``first`` and ``second``, run in turn (each once before timing)."""
-    first(), second()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(rounds):
-        for fn, out in ((first, times[0]), (second, times[1])):
-            start = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+    """What ``measure`` found on this machine (``runtime.measured.once``: kept beside the compiled kernels)."""
+    keys = {"pairs", "unpack_from_rows", "chunk_ratio", "threads", "decode_ms", "many_rows_ms"}
+    return once(CACHE_FILE, keys, measure, "the bfloat16 weight layouts")
 
 
 def measure(
     weights: int = 24,
     shape: tuple[int, int] = (2048, 1024),
     decode_rows: tuple[int, ...] = DECODE_ROWS,
-    unpack_rows: tuple[int, ...] = UNPACK_ROWS,
+    many_rows: tuple[int, ...] = MANY_ROWS,
     rounds: int = 5,
 ) -> dict:
-    """Times the two layouts on one intra-op thread over ``weights`` random weights of ``shape`` (24 of 2,048 x
-    1,024: 96 MB each way, so that a pass streams them from memory as a decode step does) at ``decode_rows``
-    rows, and the pairs' kernel against unpacking for oneDNN's GEMM (two of the weights) at ``unpack_rows`` rows
-    until unpacking is the faster. Returns the medians (ms a pass), ``pairs`` (faster summed over
-    ``decode_rows``) and ``unpack_from_rows`` (``NEVER`` where unpacking never won)."""
+    """Times both layouts on the caller's intra-op threads over ``weights`` random weights of ``shape`` (24 of
+    2,048 x 1,024: 96 MB each way, so that a pass streams them from memory as a decode step does) at each of
+    ``decode_rows``, and on two of the weights at each of ``many_rows``: the pairs' kernel, the pairs unpacked for
+    oneDNN's GEMM, and oneDNN's layout. Returns the medians (ms a pass); ``unpack_from_rows``, the first of
+    ``many_rows`` where unpacking beat the pairs' kernel (``NEVER`` if none); ``chunk_ratio``, the pairs' faster way
+    over oneDNN's at the last of ``many_rows``; and ``pairs``, the choice (see ``CHUNK_SLACK``)."""
     from radixserve.runtime.models.bf16_kernels import packed_ops, unpacked_product
     from radixserve.runtime.models.linear import PACK_BATCH_HINT
-    from radixserve.runtime.threads import one_intra_op_thread
 
     ops = packed_ops()
     assert ops is not None, "measure needs the pairs' kernel (bf16_kernels.packed_ops)"
     gen = torch.Generator().manual_seed(0)
     none = torch.empty(0, dtype=torch.bfloat16)
     n, k = shape
-    with one_intra_op_thread(), torch.inference_mode():
+    few = min(2, weights)
+    with torch.inference_mode():
         plain = torch.randn(shape, generator=gen).to(torch.bfloat16)
         pairs = [ops.pack([plain.clone()], 1) for _ in range(weights)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(plain.clone(), PACK_BATCH_HINT) for _ in range(weights)]
+
+        def kernels(x: torch.Tensor, count: int) -> list:
+            return [
+                lambda: [ops.linear(x, w, none) for w in pairs[:count]],
+                lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn[:count]],
+                lambda: [unpacked_product(x, w, None, False) for w in pairs[:count]],
+            ]
+
         decode: dict[str, dict[str, float]] = {"pairs": {}, "onednn": {}}
         for rows in decode_rows:
             x = torch.randn((rows, k), generator=gen).to(torch.bfloat16)
-            decode["pairs"][str(rows)], decode["onednn"][str(rows)] = _medians(
-                lambda x=x: [ops.linear(x, w, none) for w in pairs],
-                lambda x=x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
-                rounds,
-            )
-        onednn.clear()  # their memory back before the larger products
-        unpack: dict[str, dict[str, float]] = {}
-        unpack_from = NEVER
-        for rows in unpack_rows:
+            decode["pairs"][str(rows)], decode["onednn"][str(rows)] = race(kernels(x, weights)[:2], rounds)
+        many: dict[str, dict[str, float]] = {}
+        for rows in many_rows:
             x = torch.randn((rows, k), generator=gen).to(torch.bfloat16)
-            kernel, gemm = _medians(
-                lambda x=x: [ops.linear(x, w, none) for w in pairs[:2]],
-                lambda x=x: [unpacked_product(x, w, None, False) for w in pairs[:2]],
-                max(1, rounds // 2),
-            )
-            unpack[str(rows)] = {"pairs": kernel, "unpacked": gemm}
-            if gemm < kernel:
-                unpack_from = rows
-                break
+            timed = race(kernels(x, few), max(1, rounds // 2))
+            many[str(rows)] = dict(zip(("pairs", "onednn", "unpacked"), timed, strict=True))
+    unpack_from = next((int(r) for r, t in many.items() if t["unpacked"] < t["pairs"]), NEVER)
+    chunk = many[str(many_rows[-1])]
+    ratio = min(chunk["pairs"], chunk["unpacked"]) / chunk["onednn"]
     faster = sum(decode["pairs"].values()) < sum(decode["onednn"].values())
     return {
-        "pairs": faster,
+        "pairs": faster and ratio <= CHUNK_SLACK,
         "unpack_from_rows": unpack_from,
+        "chunk_ratio": ratio,
         "decode_ms": decode,
-        "unpack_ms": unpack,
+        "many_rows_ms": many,
         "weights": [weights, n, k],
+        "threads": torch.get_num_threads(),
     }

@@ -1,0 +1,80 @@
+"""The timings behind the kernel choices a first start makes on a CPU with AMX, run here on any CPU and printed.
+
+On a CPU with AMX the engine times, once per machine, which layout serves bfloat16 weights
+(``runtime/models/bf16_layout.py``: radixserve's pairs of K or oneDNN's packed layout, and from how many rows a
+product over the pairs unpacks for oneDNN's GEMM) and which prefill attention serves bfloat16
+(``runtime/attention/cpu_kernels.py``: the compiled kernel or SDPA), and keeps what it found beside the compiled
+kernels. Without AMX it measures neither (the pairs and the kernel serve). This script runs the same timings, as
+the engine would, on a thread of its own with every intra-op thread, ``--rounds`` times, and prints each run's
+figures and what the engine would choose from them, so that the choice can be checked (and its noise seen) on any
+machine:
+
+    python -m bench.layouts
+    python -m bench.layouts --rounds 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from bench.common import format_table, machine_summary
+from radixserve.runtime.attention import cpu_kernels
+from radixserve.runtime.cpu_ext import load_kernels
+from radixserve.runtime.cpu_features import cpu_flags
+from radixserve.runtime.models import bf16_layout
+from radixserve.runtime.models.bf16_kernels import packed_ops
+from radixserve.runtime.threads import on_a_thread_of_its_own
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="how many times to run each timing (default 3)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
+    args = parser.parse_args(argv)
+    amx = "amx_bf16" in cpu_flags()
+    print(f"# {machine_summary()}; AMX: {'yes' if amx else 'no (the engine measures neither: pairs, kernel)'}")
+    if packed_ops() is None:
+        raise SystemExit("no AVX-512 BF16 kernels on this CPU: bfloat16 weights have no layout to choose")
+    rows = []
+    for _ in range(args.rounds):
+        found = on_a_thread_of_its_own(bf16_layout.measure, args.threads)
+        decode, many = found["decode_ms"], found["many_rows_ms"]
+        rows.append(
+            [
+                " / ".join(f"{decode['pairs'][r]:.1f} vs {decode['onednn'][r]:.1f}" for r in decode["pairs"]),
+                " / ".join(f"{t['pairs']:.1f}, {t['unpacked']:.1f} vs {t['onednn']:.1f}" for t in many.values()),
+                found["chunk_ratio"],
+                found["unpack_from_rows"] if found["unpack_from_rows"] < bf16_layout.NEVER else "never",
+                "pairs" if found["pairs"] else "oneDNN",
+            ]
+        )
+    decode_rows = "/".join(map(str, bf16_layout.DECODE_ROWS))
+    many_rows = "/".join(map(str, bf16_layout.MANY_ROWS))
+    print(f"\n## bfloat16 weight layouts ({args.threads} threads; ms a pass over the weights, medians)")
+    headers = [
+        f"decode {decode_rows} rows: pairs vs oneDNN",
+        f"{many_rows} rows: pairs, unpacked vs oneDNN",
+        "chunk: pairs' best / oneDNN",
+        "unpack from rows",
+        "layout",
+    ]
+    print(format_table(headers, rows))
+
+    module = load_kernels()
+    if module is None or not module.extend_attention.available():
+        return
+    op = module.extend_attention.extend_attention
+    rows = []
+    for _ in range(args.rounds):
+        found = on_a_thread_of_its_own(lambda: cpu_kernels.prefill_timings(op), args.threads)
+        kernel, sdpa = found["kernel_ms"], found["sdpa_ms"]
+        rows += [[chunk, kernel[chunk], sdpa[chunk], sdpa[chunk] / kernel[chunk]] for chunk in kernel]
+    print(f"\n## bfloat16 prefill attention ({args.threads} threads; 16 query heads, 4 KV heads, head size 64)")
+    print(format_table(["chunk (q_len/kv_len)", "kernel ms", "SDPA ms", "kernel x SDPA"], rows))
+
+
+if __name__ == "__main__":
+    main()

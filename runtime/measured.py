@@ -1,0 +1,61 @@
+"""Choices between two ways of computing the same thing that this machine decides by timing them, once.
+
+Which of two kernels is faster can depend on the CPU more than on anything the code can read from it (with AMX:
+oneDNN's tile kernels or radixserve's own, ``runtime.models.bf16_layout``, ``runtime.attention.cpu_kernels``). Such
+a choice is timed on the first start (``race``) and what was found is kept as a small JSON file beside the compiled
+kernels (``once``), whose folder is per machine and kernel sources (``runtime.cpu_ext.build_dir``): later starts read
+it, and a new CPU or new kernels measure again. Deleting the file measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger("radixserve.kernels")
+
+
+def race(fns: Sequence[Callable[[], object]], rounds: int) -> list[float]:
+    """Median milliseconds of each of ``fns`` over ``rounds`` runs, taken in turn (so that a slow moment of the
+    machine falls on all of them), each run once before timing."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def once(name: str, keys: set[str], measure: Callable[[], dict], what: str) -> dict:
+    """What ``measure`` finds on this machine: the JSON file ``name`` beside the compiled kernels when it is there
+    and has ``keys``, else measured now (logged as timing ``what``), on a thread of its own with the intra-op
+    threads steps run with (``runtime.threads.on_a_thread_of_its_own``: the loader itself runs on one), and written
+    there (atomically: a concurrent start reads a whole file or none)."""
+    from radixserve.runtime.cpu_ext import build_dir
+
+    path = build_dir() / name
+    try:
+        found = json.loads(path.read_text())
+        if isinstance(found, dict) and keys <= found.keys():
+            return found
+    except (OSError, ValueError):
+        pass
+    from radixserve.runtime.threads import on_a_thread_of_its_own, serving_threads
+
+    logger.info("timing %s on this CPU (once per machine)", what)
+    found = on_a_thread_of_its_own(measure, serving_threads())  # as steps will run: on every intra-op thread
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{name}.{os.getpid()}")
+        tmp.write_text(json.dumps(found, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("could not keep what was timed in %s (%s)", path, exc)
+    return found
