@@ -14,7 +14,9 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 logger = logging.getLogger("radixserve.kernels")
 
@@ -33,29 +35,55 @@ def race(fns: Sequence[Callable[[], object]], rounds: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def _read(path: Path, keys: set[str]) -> dict | None:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and keys <= found.keys() else None
+
+
+@contextmanager
+def _locked(lock_path: Path, what: str) -> Iterator[None]:
+    """``model_source.file_lock`` where the cache can hold a lock file; without one (a read-only cache), nothing."""
+    from radixserve.runtime.model_source import file_lock
+
+    held = file_lock(lock_path, what)
+    try:
+        held.__enter__()
+    except OSError as exc:
+        logger.warning("cannot lock %s (%s); timing without the lock", lock_path, exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        held.__exit__(None, None, None)
+
+
 def once(name: str, keys: set[str], measure: Callable[[], dict], what: str) -> dict:
     """What ``measure`` finds on this machine: the JSON file ``name`` beside the compiled kernels when it is there
     and has ``keys``, else measured now (logged as timing ``what``), on a thread of its own with the intra-op
     threads steps run with (``runtime.threads.on_a_thread_of_its_own``: the loader itself runs on one), and written
-    there (atomically: a concurrent start reads a whole file or none)."""
+    there. Under a lock: processes starting together (tensor-parallel ranks) time one after another's result, not
+    all at once on the same cores."""
     from radixserve.runtime.cpu_ext import build_dir
-
-    path = build_dir() / name
-    try:
-        found = json.loads(path.read_text())
-        if isinstance(found, dict) and keys <= found.keys():
-            return found
-    except (OSError, ValueError):
-        pass
     from radixserve.runtime.threads import on_a_thread_of_its_own, serving_threads
 
-    logger.info("timing %s on this CPU (once per machine)", what)
-    found = on_a_thread_of_its_own(measure, serving_threads())  # as steps will run: on every intra-op thread
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{name}.{os.getpid()}")
-        tmp.write_text(json.dumps(found, indent=1))
-        tmp.replace(path)
-    except OSError as exc:
-        logger.warning("could not keep what was timed in %s (%s)", path, exc)
+    path = build_dir() / name
+    found = _read(path, keys)
+    if found is not None:
+        return found
+    with _locked(path.with_name(f"{name}.lock"), what):
+        found = _read(path, keys)  # (timed by the process that held the lock)
+        if found is not None:
+            return found
+        logger.info("timing %s on this CPU (once per machine)", what)
+        found = on_a_thread_of_its_own(measure, serving_threads())  # as steps will run: on every intra-op thread
+        try:
+            tmp = path.with_name(f"{name}.{os.getpid()}")
+            tmp.write_text(json.dumps(found, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            logger.warning("could not keep what was timed in %s (%s)", path, exc)
     return found

@@ -149,3 +149,25 @@ def test_an_unpacked_product_is_the_pairs_kernels_within_rounding(
         torch.testing.assert_close(gated.float(), kernel.float(), rtol=3e-2, atol=2e-2 * kernel.abs().max().item())
         if slice_bytes is None:  # whole, [gate; up] unpacks as it is and multiplies once: the bits of silu_mul
             assert torch.equal(gated, fused.silu_mul(bf16_kernels.unpacked_product(x, packed, bias, False)))
+
+
+def test_a_timing_is_kept_for_later_starts_and_an_unwritable_cache_does_not_stop_a_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``measured.once`` times once and reads the kept file afterwards (a file without the expected keys, from an
+    older version, is timed again); where the cache cannot be written the timing is used all the same."""
+    from radixserve.runtime import measured
+
+    calls: list[int] = []
+
+    def timing() -> dict:
+        calls.append(1)
+        return {"a": len(calls)}
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    assert measured.once("t.json", {"a"}, timing, "a test") == {"a": 1}
+    assert measured.once("t.json", {"a"}, timing, "a test") == {"a": 1} and len(calls) == 1
+    assert measured.once("t.json", {"a", "b"}, timing, "a test") == {"a": 2}  # older keys: timed again
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    (tmp_path / "file").write_text("not a folder")
+    assert measured.once("t.json", {"a"}, timing, "a test") == {"a": 3}
