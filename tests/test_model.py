@@ -261,8 +261,9 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     """Where bfloat16 weights are served without oneDNN (AVX-512 BF16, no AMX), releasing the plain weight packs it
     in pairs of K (``csrc/bf16_packed.cpp``): the layout is the weight's rows in blocks of 16, pair p of each row
     side by side; a weight in parts packs its parts' blocks in order. The product, with its bias, is F.linear's at
-    every row count: runs of 4, 2 and 1 blocks, tiles of 6, 4, 2 and 1 rows, prefetching (4-64 rows), K in slices
-    of 2,048 above 64 rows (2,112: a slice and a ragged one) and rows in several chunks (2,112: 496 a chunk)."""
+    every row count: runs of 6, 4 and 1 blocks (11 blocks, on one thread or two), tiles of 4, 6, 2 and 1 rows,
+    prefetching (4-64 rows), K in slices of 2,048 above 64 rows (2,112: a slice and a ragged one) and rows in several
+    chunks (2,112: 496 a chunk); the packed_ops self-check covers runs of 2."""
     from radixserve.runtime.models.bf16_kernels import packed_ops
     from radixserve.runtime.models.linear import Linear
 
@@ -274,7 +275,7 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
     for threads in (1, 2, 5):
         assert torch.equal(ops.pack([w[:32].contiguous(), w[32:].contiguous()], threads), want)
 
-    sizes = (64, 32, 112)  # 4 + 2 + 7 blocks: every run length in either thread's share
+    sizes = (64, 32, 80)  # 4 + 2 + 5 blocks: runs of 6, 4 and 1 on one thread (6 | 4, 1 on two)
     parts = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n in sizes]
     bias = torch.randn(sum(sizes), generator=gen).to(torch.bfloat16)
     layer = Linear(k, sum(sizes), bias=True).to(torch.bfloat16)
@@ -298,14 +299,14 @@ def test_bfloat16_weights_released_into_pairs_match_f_linear_at_every_tile_shape
 
 
 @pytest.mark.skipif(not plain_bf16_weights(), reason=PAIRS_DO_NOT_SERVE)
-@pytest.mark.parametrize(("k", "width"), [(576, 1536), (2112, 80)])
+@pytest.mark.parametrize(("k", "width"), [(576, 1536), (2112, 80), (64, 112)])
 def test_a_packed_gate_up_projection_multiplies_gated_with_the_bits_of_silu_mul_over_its_output(
     k: int, width: int
 ) -> None:
     """An MLP's [gate; up] projection packed in pairs of K multiplies gated (``MergedLinear.silu_mul``: one kernel,
     gate blocks with their up blocks): the result is ``fused.silu_mul`` over the layer's own output, to the bit, at
-    every row count (gated runs of 2 and 1 gate blocks: 80 = 5 blocks; K in slices above 64 rows: 2,112), with a
-    bias, in 3-D; a projection that does not pack keeps the separate SiLU-and-mul."""
+    every row count (gated runs of 3, 2 and 1 gate blocks: 80 = 5 blocks, 112 = 7; K in slices above 64 rows:
+    2,112), with a bias, in 3-D; a projection that does not pack keeps the separate SiLU-and-mul."""
     from radixserve.runtime.models import fused
     from radixserve.runtime.models.llama import MergedLinear
 

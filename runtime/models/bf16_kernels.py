@@ -92,18 +92,19 @@ def packed_ops():  # noqa: ANN202 - the compiled module or None
     if ops is None or not ops.available:
         return None
     gen = torch.Generator().manual_seed(0)
-    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((112, 64), (112,)))
-    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
-    gate_up = ops.pack([w[:48].contiguous(), w[48:96].contiguous()])  # 3 blocks each: gated runs of 2 and 1
+    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((176, 64), (176,)))
+    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])  # 11 blocks: runs of 6, 4 and 1 (one thread)
+    gate_up = ops.pack([w[:80].contiguous(), w[80:160].contiguous()])  # 5 blocks each: gated runs of 3 and 2
     ok = True
     with torch.inference_mode():
-        for rows in (1, 3, 13, 70):  # runs of 4, 2 and 1 blocks; tiles of 8, 6, 4, 2 and 1 rows; prefetching
+        for rows in (1, 3, 13, 70):  # tiles of 8, 6, 4, 2 and 1 rows; prefetching
             x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
             want = F.linear(x.float(), w.float(), b.float())
             tol = 1e-2 * float(want.abs().max())
             ok &= torch.allclose(ops.linear(x, packed, b).float(), want, rtol=1e-2, atol=tol)
-            gated = kernels.fused_ops.silu_mul(ops.linear(x, gate_up, b[:96]))
-            ok &= torch.equal(ops.linear_silu_mul(x, gate_up, b[:96]), gated)
+            ok &= torch.allclose(ops.linear(x, packed[6:9], b[96:144]).float(), want[:, 96:144], rtol=1e-2, atol=tol)
+            gated = kernels.fused_ops.silu_mul(ops.linear(x, gate_up, b[:160]))
+            ok &= torch.equal(ops.linear_silu_mul(x, gate_up, b[:160]), gated)
     if not ok:
         logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
         return None

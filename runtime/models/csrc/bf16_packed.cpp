@@ -7,7 +7,7 @@
 // sums: for each pair p, one 32-bit broadcast of x[i][2p : 2p + 2] times block vector p adds two products to each of
 // 16 float32 lanes, one lane per output channel:
 //   acc[i][b] (16 lanes) += vdpbf16ps(w[b][p], broadcast(x[i][2p], x[i][2p + 1]))  over p;
-// tiles of MR rows by NB blocks keep MR x NB accumulators in registers (6x4, 4x4, 2x4, 1x4), the bias is added in
+// tiles of MR rows by NB blocks keep MR x NB accumulators in registers (4x6, 6x4, 8x2, ...), the bias is added in
 // float32 and the result rounded once. Against the dot-product kernel over the plain weight (bf16_linear.cpp),
 // whose dot products end in a butterfly of 16 lanes and whose tiles of 16 rows read the block's rows as 16 streams,
 // a block here is one stream and a tile is nothing but loads, broadcasts and vdpbf16ps: in a standalone loop 228-232
@@ -122,14 +122,18 @@ inline void tile(const bf16* x, int64_t K, const bf16* const* w, const Slice& s,
 
 // Tile calls for M rows against a run of NB blocks (see rows).
 inline int64_t tiles(int64_t M, int64_t NB) {
+  if (NB == 6) return M / 4 + M % 4 / 2 + M % 2;
   if (NB == 4) return M / 6 + M % 6 / 4 + M % 6 % 4 / 2 + M % 2;
   return M / 8 + M % 8 / 4 + M % 4 / 2 + M % 2;
 }
 
 // Rows [0, M) of x against the NB blocks starting at block n (a run of NB consecutive blocks) over slice `s`, while
-// the `ahead` blocks after them are prefetched (whole-K slices only). Runs of 4 blocks take tiles of 6 rows (24
-// accumulators: 4 weight loads and 6 broadcasts a step for 24 products), shorter runs (a thread's last blocks)
-// tiles of 8. `part`: M rows of 16 NB floats, the sums between slices. GATED: n counts gate blocks, the run is NB/2
+// the `ahead` blocks after them are prefetched (whole-K slices only). Runs of 6 blocks take tiles of 4 rows (24
+// accumulators: 6 weight loads and 4 broadcasts a step for 24 products), runs of 4 (a thread's last blocks) tiles
+// of 6, shorter ones tiles of 8. 4 x 6 against 6 x 4: 1.04-1.15x a layer of SmolLM2's and the 1B shapes at 1 to
+// 2,048 rows (2-core Zen 4); a broadcast costs more than a weight load there (a register-only loop of vdpbf16ps runs
+// at 230 GFLOP/s a core, 6 x 4 tiles at 208 over cached weights, 4 x 6 at 212; with the broadcast folded into the
+// product as a {1to16} operand, 98). `part`: M rows of 16 NB floats, the sums between slices. GATED: n counts gate blocks, the run is NB/2
 // gate blocks from n and their up blocks from n + G (G = N / 32 gate blocks), y's rows hold N / 2.
 template <int NB, bool GATED>
 void rows(const bf16* x, int64_t M, int64_t K, const Slice& s, const bf16* packed, int64_t n, bf16* y, int64_t N,
@@ -154,7 +158,9 @@ void rows(const bf16* x, int64_t M, int64_t K, const Slice& s, const bf16* packe
   bf16* yn = y + 16 * n;
   const int64_t lp = 16 * NB;  // floats a row of `part`
   int64_t m = 0;
-  if constexpr (NB == 4) {
+  if constexpr (NB == 6) {
+    // (tiles of 4 rows below)
+  } else if constexpr (NB == 4) {
     for (; m + 6 <= M; m += 6) tile<6, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
   } else {
     for (; m + 8 <= M; m += 8) tile<8, NB, GATED>(x + m * K, K, w, s, yn + m * ldy, ldy, bb, part + m * lp, pf);
@@ -224,11 +230,11 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   bf16* yp = y.data_ptr<bf16>();
   const float* bp = has_bias ? bias_f.data() : nullptr;
   // Rows go in chunks of at most ~2 MB of x (in L3) while the blocks pass over it, and above 64 rows K in slices of
-  // 2,048 (a run of 4 blocks' slice, 256 KB, stays in L2 for the chunk's tiles; the sums wait in float32 between
+  // 2,048 (a run of 6 blocks' slice, 384 KB, stays in L2 for the chunk's tiles; the sums wait in float32 between
   // slices). The work is every (chunk, block) pair, chunk by chunk, the chunks equal; each thread starts on a
   // contiguous share of it (the same number of blocks: at one row, the same bytes to stream), claims it a run at a
   // time and takes runs from another's share when its own is done (balanced.h), and multiplies its
-  // blocks of a chunk in runs of 4 (gated: 2 gate blocks and their 2 up blocks). (Chunks of 256 KB of x and whole
+  // blocks of a chunk in runs of 6 (gated: 3 gate blocks and their 3 up blocks). (Chunks of 256 KB of x and whole
   // K ran the 1B shape's 256 rows at 0.9x oneDNN: a chunk of 16 rows for K = 8,192 re-read the weights from memory
   // 16 times.)
   const int64_t most = std::max<int64_t>(6, (int64_t{2} << 20) / (2 * K)), chunks = (M + most - 1) / most;
@@ -238,11 +244,11 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   // rows the hardware's stream prefetch does better alone (0.94x with it), and above 64 the blocks are read from
   // L2 by many tiles anyway (0.97x at 512 rows).
   const bool prefetch = M >= 4 && M <= 64;
-  const int64_t run = gated ? 2 : 4;  // units of a full run
+  const int64_t run = gated ? 3 : 6;  // units of a full run (gated: a unit is a gate block with its up block)
   radixserve_balanced::balanced_for(chunks * units, run, [&](int64_t begin, int64_t end, int64_t limit) {
     // The sums between slices: a thread's buffer outlives its claims (a claim is one run; up to ~0.5 MB each).
     thread_local std::vector<float> part;
-    if (slices > 1 && part.size() < static_cast<size_t>(chunk * 64)) part.resize(static_cast<size_t>(chunk * 64));
+    if (slices > 1 && part.size() < static_cast<size_t>(chunk * 96)) part.resize(static_cast<size_t>(chunk * 96));  // 16 x 6
     for (int64_t t = begin; t < end;) {
       const int64_t c = t / units, b0 = t % units, b1 = std::min(units, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
@@ -250,17 +256,21 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
       bf16* yc = yp + m0 * ldy;
       const int64_t more = std::min(units, b0 + limit - t);  // this thread's likely next claims, in this chunk
       for (int64_t n = b0; n < b1;) {
-        const int64_t left = b1 - n, nb = left >= run ? run : (left >= 2 ? 2 : 1);
+        const int64_t left = b1 - n, nb = left >= run ? run : (left >= 4 && !gated ? 4 : (left >= 2 ? 2 : 1));
         const int64_t ahead = prefetch && slices == 1 ? std::min<int64_t>(run, more - n - nb) : 0;  // next run
         for (int64_t sl = 0; sl < slices; ++sl) {
           const Slice s{sl * kc / 2, std::min(kc, K - sl * kc) / 2, sl == 0, sl == slices - 1};
           float* pp = part.data();
           if (gated) {
-            if (nb == 2) {
+            if (nb == 3) {
+              rows<6, true>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
+            } else if (nb == 2) {
               rows<4, true>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
             } else {
               rows<2, true>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
             }
+          } else if (nb == 6) {
+            rows<6, false>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
           } else if (nb == 4) {
             rows<4, false>(xc, mc, K, s, wp, n, yc, N, bp, ahead, pp);
           } else if (nb == 2) {
