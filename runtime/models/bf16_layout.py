@@ -63,7 +63,7 @@ def chosen() -> Bf16Layout:
     if forced == "onednn":
         return Bf16Layout(False, NEVER, "RADIXSERVE_BF16_LAYOUT=onednn")
     if "amx_bf16" not in cpu_flags():
-        return Bf16Layout(True, rows or NEVER, "no AMX: the pairs are faster at every row count")
+        return Bf16Layout(True, rows or NEVER, "no AMX: the pairs serve every workload faster")
     if forced == "pairs" and rows is not None:
         return Bf16Layout(True, rows, "RADIXSERVE_BF16_LAYOUT=pairs")
     found = measured()
