@@ -14,8 +14,8 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 logger = logging.getLogger("radixserve.kernels")
@@ -43,24 +43,6 @@ def _read(path: Path, keys: set[str]) -> dict | None:
     return found if isinstance(found, dict) and keys <= found.keys() else None
 
 
-@contextmanager
-def _locked(lock_path: Path, what: str) -> Iterator[None]:
-    """``model_source.file_lock`` where the cache can hold a lock file; without one (a read-only cache), nothing."""
-    from radixserve.runtime.model_source import file_lock
-
-    held = file_lock(lock_path, what)
-    try:
-        held.__enter__()
-    except OSError as exc:
-        logger.warning("cannot lock %s (%s); timing without the lock", lock_path, exc)
-        yield
-        return
-    try:
-        yield
-    finally:
-        held.__exit__(None, None, None)
-
-
 def once(name: str, keys: set[str], measure: Callable[[], dict], what: str) -> dict:
     """What ``measure`` finds on this machine: the JSON file ``name`` beside the compiled kernels when it is there
     and has ``keys``, else measured now (logged as timing ``what``), on a thread of its own with the intra-op
@@ -68,13 +50,18 @@ def once(name: str, keys: set[str], measure: Callable[[], dict], what: str) -> d
     there. Under a lock: processes starting together (tensor-parallel ranks) time one after another's result, not
     all at once on the same cores."""
     from radixserve.runtime.cpu_ext import build_dir
+    from radixserve.runtime.model_source import file_lock
     from radixserve.runtime.threads import on_a_thread_of_its_own, serving_threads
 
     path = build_dir() / name
     found = _read(path, keys)
     if found is not None:
         return found
-    with _locked(path.with_name(f"{name}.lock"), what):
+    with ExitStack() as held:
+        try:
+            held.enter_context(file_lock(path.with_name(f"{name}.lock"), what))
+        except OSError as exc:  # a cache that cannot hold a lock file (read-only): time without it
+            logger.warning("cannot lock %s (%s); timing without the lock", path.parent, exc)
         found = _read(path, keys)  # (timed by the process that held the lock)
         if found is not None:
             return found
