@@ -2,12 +2,12 @@
 
 On a CPU with AMX the engine times, once per machine, which layout serves bfloat16 weights
 (``runtime/models/bf16_layout.py``: radixserve's pairs of K or oneDNN's packed layout, and from how many rows a
-product over the pairs unpacks for oneDNN's GEMM) and which prefill attention serves bfloat16
-(``runtime/attention/cpu_kernels.py``: the compiled kernel or SDPA), and keeps what it found beside the compiled
-kernels. Without AMX it measures neither (the pairs and the kernel serve). This script runs the same timings, as
-the engine would, on a thread of its own with every intra-op thread, ``--rounds`` times, and prints each run's
-figures and what the engine would choose from them, so that the choice can be checked (and its noise seen) on any
-machine:
+product over the pairs runs on the AMX tiles or unpacks for oneDNN's GEMM) and which prefill attention serves
+bfloat16 (``runtime/attention/cpu_kernels.py``: the compiled kernel or SDPA), and keeps what it found beside the
+compiled kernels. Without AMX it measures neither (the pairs and the kernel serve; there are no tiles to time). This
+script runs the same timings, as the engine would, on a thread of its own with every intra-op thread, ``--rounds``
+times, and prints each run's figures and what the engine would choose from them, so that the choice can be checked
+(and its noise seen) on any machine:
 
     python -m bench.layouts
     python -m bench.layouts --rounds 3 --threads 2
@@ -28,6 +28,9 @@ from radixserve.runtime.models import bf16_layout
 from radixserve.runtime.models.bf16_kernels import packed_ops
 from radixserve.runtime.threads import on_a_thread_of_its_own
 
+# The ways bf16_layout.measure times (``tiles`` with AMX only; ``unpacked`` from 64 rows).
+WAYS = ("pairs", "tiles", "unpacked", "onednn")
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,30 +41,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"# {machine_summary()}; AMX: {'yes' if amx else 'no (the engine measures neither: pairs, kernel)'}")
     if packed_ops() is None:
         raise SystemExit("no AVX-512 BF16 kernels on this CPU: bfloat16 weights have no layout to choose")
-    rows = []
-    for _ in range(args.rounds):
+    rows, choices = [], []
+    for round_ in range(1, args.rounds + 1):
         found = on_a_thread_of_its_own(bf16_layout.measure, args.threads)
-        decode, many = found["decode_ms"], found["many_rows_ms"]
-        rows.append(
-            [
-                " / ".join(f"{decode['pairs'][r]:.1f} vs {decode['onednn'][r]:.1f}" for r in decode["pairs"]),
-                " / ".join(f"{t['pairs']:.1f}, {t['unpacked']:.1f} vs {t['onednn']:.1f}" for t in many.values()),
-                found["chunk_ratio"],
-                found["unpack_from_rows"] if found["unpack_from_rows"] < bf16_layout.NEVER else "never",
-                "pairs" if found["pairs"] else "oneDNN",
-            ]
+        decode, served = found["decode_ms"], found["served_ms"]
+        timed = {r: {way: decode[way][r] for way in decode} for r in decode["onednn"]} | found["many_rows_ms"]
+        for r, ways in timed.items():
+            rows.append([round_, r, *(ways.get(way, "") for way in WAYS), served[r], served[r] / ways["onednn"]])
+        never = bf16_layout.NEVER
+        tiles, unpack = found["tiles_from_rows"], found["unpack_from_rows"]
+        choices.append(
+            f"round {round_}: {'pairs' if found['pairs'] else 'oneDNN'} (chunk {found['chunk_ratio']:.2f}x oneDNN's"
+            f" in pairs); the tiles from {tiles if tiles < never else 'never'} rows, unpacking from"
+            f" {unpack if unpack < never else 'never'}"
         )
-    decode_rows = "/".join(map(str, bf16_layout.DECODE_ROWS))
-    many_rows = "/".join(map(str, bf16_layout.MANY_ROWS))
     print(f"\n## bfloat16 weight layouts ({args.threads} threads; ms a pass over the weights, medians)")
-    headers = [
-        f"decode {decode_rows} rows: pairs vs oneDNN",
-        f"{many_rows} rows: pairs, unpacked vs oneDNN",
-        "chunk: pairs' best / oneDNN",
-        "unpack from rows",
-        "layout",
-    ]
-    print(format_table(headers, rows))
+    print(format_table(["round", "rows", *WAYS, "pairs served", "pairs / oneDNN"], rows))
+    print("\n".join(["", *choices]))
 
     module = load_kernels()
     if module is None or not module.extend_attention.available():

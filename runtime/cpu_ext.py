@@ -62,6 +62,7 @@ SOURCES = (
     RUNTIME / "models" / "csrc" / "quant_packed_avx2_q8k.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
+    RUNTIME / "models" / "csrc" / "bf16_tiles.cpp",
     RUNTIME / "models" / "csrc" / "bf16_packed.cpp",
     RUNTIME / "models" / "csrc" / "decode_stack.cpp",
 )

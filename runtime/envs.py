@@ -83,11 +83,23 @@ def bf16_layout() -> str:
     return value
 
 
+def bf16_tiles_from_rows() -> int | None:
+    """``RADIXSERVE_BF16_TILES_FROM_ROWS=N``: on a CPU with AMX, products of ``N`` rows or more over bfloat16 weights
+    packed in pairs run on the tiles (below the unpacking row count), instead of from the row count measured on this
+    CPU (``None``: unset; see ``runtime.models.bf16_layout``)."""
+    return _rows("BF16_TILES_FROM_ROWS")
+
+
 def bf16_unpack_from_rows() -> int | None:
     """``RADIXSERVE_BF16_UNPACK_FROM_ROWS=N``: products of ``N`` rows or more over bfloat16 weights packed in pairs
     unpack them for oneDNN's GEMM, instead of from the row count measured on this CPU (``None``: unset; see
     ``runtime.models.bf16_layout``)."""
-    value = get("BF16_UNPACK_FROM_ROWS")
+    return _rows("BF16_UNPACK_FROM_ROWS")
+
+
+def _rows(name: str) -> int | None:
+    """``RADIXSERVE_<name>`` as a row count of at least 1 (``None``: unset)."""
+    value = get(name)
     if value is None:
         return None
     try:
@@ -95,5 +107,5 @@ def bf16_unpack_from_rows() -> int | None:
     except ValueError:
         rows = 0
     if rows < 1:
-        raise ValueError(f"RADIXSERVE_BF16_UNPACK_FROM_ROWS={value!r}: expected a row count of at least 1")
+        raise ValueError(f"RADIXSERVE_{name}={value!r}: expected a row count of at least 1")
     return rows

@@ -25,13 +25,15 @@ def fresh_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # noqa: ANN2
     bf16_layout.chosen.cache_clear()
 
 
-def _found(pairs: bool, unpack_from_rows: int) -> dict:
+def _found(pairs: bool, unpack_from_rows: int, tiles_from_rows: int = bf16_layout.NEVER) -> dict:
     """A measurement that chose the pairs or not (its figures only for the log line)."""
     decode = {"1": 1.0, "16": 2.0}
     return {
         "pairs": pairs,
+        "tiles_from_rows": tiles_from_rows,
         "unpack_from_rows": unpack_from_rows,
         "chunk_ratio": 1.1,
+        "served_ms": {"1": 1.0, "16": 2.0, "1024": 3.0},
         "threads": 2,
         "decode_ms": {"pairs": decode, "onednn": decode},
         "many_rows_ms": {"1024": {"pairs": 3.0, "onednn": 3.0, "unpacked": 3.0}},
@@ -42,13 +44,14 @@ def _found(pairs: bool, unpack_from_rows: int) -> dict:
 def test_with_amx_the_measured_layout_serves_and_the_environment_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """With AMX the faster layout at decode sizes serves, the pairs unpacking from the row count where oneDNN's GEMM
     measured faster; without AMX the pairs serve and nothing is measured; RADIXSERVE_BF16_LAYOUT and
-    RADIXSERVE_BF16_UNPACK_FROM_ROWS override; a bad value is an error naming the variable."""
+    RADIXSERVE_BF16_UNPACK_FROM_ROWS (and RADIXSERVE_BF16_TILES_FROM_ROWS) override; a bad value is an error naming
+    the variable."""
     found: list[dict] = []
     monkeypatch.setattr(bf16_layout, "measure", lambda: found[-1])
 
     def choose(flags: set[str], **env: str) -> bf16_layout.Bf16Layout:
         monkeypatch.setattr(bf16_layout, "cpu_flags", lambda: frozenset(flags))
-        for name in ("BF16_LAYOUT", "BF16_UNPACK_FROM_ROWS"):
+        for name in ("BF16_LAYOUT", "BF16_UNPACK_FROM_ROWS", "BF16_TILES_FROM_ROWS"):
             monkeypatch.delenv(f"RADIXSERVE_{name}", raising=False)
         for name, value in env.items():
             monkeypatch.setenv(f"RADIXSERVE_{name}", value)
@@ -56,8 +59,8 @@ def test_with_amx_the_measured_layout_serves_and_the_environment_overrides_it(mo
         return bf16_layout.chosen()
 
     amx = {"avx512_bf16", "amx_bf16"}
-    found.append(_found(pairs=True, unpack_from_rows=256))
-    assert choose(amx) == bf16_layout.Bf16Layout(True, 256, "measured on this CPU")
+    found.append(_found(pairs=True, unpack_from_rows=256, tiles_from_rows=16))
+    assert choose(amx) == bf16_layout.Bf16Layout(True, 256, "measured on this CPU", 16)
     found.append(_found(pairs=False, unpack_from_rows=64))  # kept beside the kernels: not measured again
     assert choose(amx).pairs
     for path in Path(bf16_layout.envs.cache_dir()).rglob(bf16_layout.CACHE_FILE):
@@ -65,26 +68,31 @@ def test_with_amx_the_measured_layout_serves_and_the_environment_overrides_it(mo
     assert not choose(amx).pairs
     assert choose(amx, BF16_LAYOUT="pairs") == bf16_layout.Bf16Layout(True, 64, "RADIXSERVE_BF16_LAYOUT=pairs")
     assert choose(amx, BF16_UNPACK_FROM_ROWS="512").unpack_from_rows == 512
+    assert choose(amx, BF16_TILES_FROM_ROWS="4").tiles_from_rows == 4
     assert choose(amx, BF16_LAYOUT="pairs", BF16_UNPACK_FROM_ROWS="8").unpack_from_rows == 8
-    found.clear()  # nothing below measures
-    layout = choose({"avx512_bf16"})
-    assert layout.pairs and layout.unpack_from_rows == bf16_layout.NEVER
+    found.clear()  # both row counts given with the pairs: nothing measured
+    assert choose(amx, BF16_LAYOUT="pairs", BF16_UNPACK_FROM_ROWS="8", BF16_TILES_FROM_ROWS="2") == (
+        bf16_layout.Bf16Layout(True, 8, "RADIXSERVE_BF16_LAYOUT=pairs", 2)
+    )
+    layout = choose({"avx512_bf16"})  # nothing below measures
+    assert layout.pairs and layout.unpack_from_rows == layout.tiles_from_rows == bf16_layout.NEVER
     assert choose({"avx512_bf16"}, BF16_UNPACK_FROM_ROWS="32").unpack_from_rows == 32
     assert not choose({"avx512_bf16"}, BF16_LAYOUT="onednn").pairs
     with pytest.raises(ValueError, match="RADIXSERVE_BF16_LAYOUT='tiles'"):
         choose(amx, BF16_LAYOUT="tiles")
     with pytest.raises(ValueError, match="RADIXSERVE_BF16_UNPACK_FROM_ROWS='0'"):
         choose(amx, BF16_UNPACK_FROM_ROWS="0")
+    with pytest.raises(ValueError, match="RADIXSERVE_BF16_TILES_FROM_ROWS='x'"):
+        choose(amx, BF16_TILES_FROM_ROWS="x")
 
 
 @needs_pairs
 @pytest.mark.usefixtures("fresh_choice")
 def test_measuring_times_both_layouts_and_keeps_what_it_found() -> None:
     """A (small) measurement, on a thread of its own as at a start, times both layouts at each decode row count, and
-    the pairs' kernel, the pairs unpacked and oneDNN's layout at each larger one. The pairs are chosen where they
-    are faster at decode (summed) and their faster way with the last, largest chunk is within ``CHUNK_SLACK`` of
-    oneDNN's; they unpack from the first row count where that beat their kernel. ``measured`` keeps it beside the
-    compiled kernels."""
+    the pairs' kernel, the pairs unpacked and oneDNN's layout at each larger one (and the AMX tiles at every one,
+    where they serve). ``decide`` makes the choice of them (its rules: test_bf16_tiles). ``measured`` keeps it
+    beside the compiled kernels."""
     from radixserve.runtime.threads import on_a_thread_of_its_own
 
     found = on_a_thread_of_its_own(
@@ -92,15 +100,12 @@ def test_measuring_times_both_layouts_and_keeps_what_it_found() -> None:
     )
     assert found["weights"] == [4, 64, 128] and found["threads"] == 2
     decode, many = found["decode_ms"], found["many_rows_ms"]
-    for layout in ("pairs", "onednn"):
-        assert set(decode[layout]) == {"1", "3"} and all(ms > 0 for ms in decode[layout].values())
-    assert set(many) == {"64", "128"} and all(set(t) == {"pairs", "onednn", "unpacked"} for t in many.values())
-    chunk = many["128"]
-    assert found["chunk_ratio"] == pytest.approx(min(chunk["pairs"], chunk["unpacked"]) / chunk["onednn"])
-    faster = sum(decode["pairs"].values()) < sum(decode["onednn"].values())
-    assert found["pairs"] == (faster and found["chunk_ratio"] <= bf16_layout.CHUNK_SLACK)
-    won = [int(rows) for rows, t in many.items() if t["unpacked"] < t["pairs"]]
-    assert found["unpack_from_rows"] == (won[0] if won else bf16_layout.NEVER)
+    ways = {"pairs", "onednn"} | ({"tiles"} if bf16_kernels.tiles_ops() is not None else set())
+    assert set(decode) == ways
+    for way in ways:
+        assert set(decode[way]) == {"1", "3"} and all(ms > 0 for ms in decode[way].values())
+    assert set(many) == {"64", "128"} and all(set(t) == ways | {"unpacked"} for t in many.values())
+    assert {k: v for k, v in found.items() if k in bf16_layout.decide(decode, many)} == bf16_layout.decide(decode, many)
 
     from radixserve.runtime.cpu_ext import build_dir
 

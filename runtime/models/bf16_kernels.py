@@ -112,6 +112,54 @@ def packed_ops():  # noqa: ANN202 - the compiled module or None
     return ops
 
 
+def tiles_agree(product) -> bool:  # noqa: ANN001 - product(x, packed, bias, gated) -> y
+    """Whether ``product`` (``csrc/bf16_tiles.cpp``'s, real or emulated) agrees with ``F.linear`` over weights packed
+    in pairs: 11 blocks (units of two and one), K of two tiles, chunks of one half, two halves and a partial second
+    half, a bias or none; gated over [gate; up] of 5 blocks each, to the bit what ``silu_mul`` gives over its
+    ``linear``."""
+    from radixserve.runtime.cpu_ext import load_kernels
+
+    ops, silu_mul = packed_ops(), load_kernels().fused_ops.silu_mul
+    gen = torch.Generator().manual_seed(1)
+    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((176, 64), (176,)))
+    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
+    gate_up = ops.pack([w[:80].contiguous(), w[80:160].contiguous()])
+    none = torch.empty(0, dtype=torch.bfloat16)
+    ok = True
+    with torch.inference_mode():
+        for rows in (1, 13, 16, 17, 45):
+            x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
+            for bias in (b, none):
+                want = F.linear(x.float(), w.float(), bias.float() if bias.numel() else None)
+                tol = 1e-2 * float(want.abs().max())
+                ok &= torch.allclose(product(x, packed, bias, False).float(), want, rtol=1e-2, atol=tol)
+            gated = silu_mul(product(x, gate_up, b[:160], False))
+            ok &= torch.equal(product(x, gate_up, b[:160], True), gated)
+    return bool(ok)
+
+
+@functools.cache
+def tiles_ops():  # noqa: ANN202 - the compiled module or None
+    """``csrc/bf16_tiles.cpp`` where the CPU has AMX, the kernels were built for it, Linux lets this process use the
+    tiles and their product agrees with ``F.linear`` (``tiles_agree``): the products over weights packed in pairs
+    that ``bf16_layout`` measured faster on the tiles run there."""
+    if packed_ops() is None or "amx_bf16" not in native_bf16():
+        return None
+    from radixserve.runtime.cpu_ext import load_kernels
+
+    tiles = getattr(load_kernels(), "bf16_tiles", None)
+    if tiles is None or not tiles.available or not tiles.enable():
+        return None
+
+    def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, gated: bool) -> torch.Tensor:
+        return (tiles.linear_silu_mul if gated else tiles.linear)(x, packed, bias)
+
+    if not tiles_agree(product):
+        logger.warning("AMX tile product disagrees with F.linear on this machine; not using it")
+        return None
+    return tiles
+
+
 def packs(parts: tuple[torch.Tensor, ...]) -> bool:
     """Whether bfloat16 weight ``parts`` are packed for ``csrc/bf16_packed.cpp`` when released: served plain on this
     CPU otherwise (``plain_bf16_weights``), on the CPU, shapes its blocks take (K % 32, each N % 16)."""
@@ -128,7 +176,11 @@ def plain_bf16_weights() -> bool:
         return False
     if packed_ops() is None:  # the dot-product kernel alone: it serves up to 32 rows, F.linear above
         return "amx_bf16" not in native_bf16()
-    return bf16_layout.chosen().pairs
+    layout = bf16_layout.chosen()
+    tiles = tiles_ops()
+    if tiles is not None:  # the pairs' products from this many rows on run on the tiles (in C++: the decode stack too)
+        tiles.use_from_rows(layout.tiles_from_rows if layout.pairs else bf16_layout.NEVER)
+    return layout.pairs
 
 
 def unpack_from_rows() -> int:

@@ -3,8 +3,10 @@
 Two layouts serve a bfloat16 weight on a CPU with AVX-512 BF16 (``bf16_kernels``, ``linear``):
 
 * **pairs**: packed in pairs of K for ``csrc/bf16_packed.cpp``, whose one kernel multiplies every row count with
-  ``vdpbf16ps``; from ``unpack_from_rows`` rows on (with AMX, prefill chunks) a product unpacks the weight a slice at
-  a time for oneDNN's GEMM instead, which runs on the tile units (``bf16_kernels.unpacked_product``);
+  ``vdpbf16ps``. With AMX, two other ways serve products over the same layout from the row counts where they were
+  measured faster: ``csrc/bf16_tiles.cpp`` from ``tiles_from_rows`` (the weight read in place as the tiles' B
+  operand: a block of the pairs layout is a column of B tiles), and from ``unpack_from_rows`` oneDNN's GEMM over the
+  weight unpacked a slice at a time (``bf16_kernels.unpacked_product``);
 * **onednn**: packed for oneDNN (its kernels at every row count; with AMX, on the tile units).
 
 Without AMX the pairs serve at every row count (2-core AMD EPYC Zen 4: one layer of SmolLM2's shapes 0.35 against
@@ -12,12 +14,13 @@ oneDNN's 0.53 ms at 16 rows, 36.0 against 34.3 ms at 2,048; every served workloa
 chosen without measuring. With AMX the answer is the machine's: the tile units multiply a prefill chunk several
 times faster than ``vdpbf16ps``, but a decode step streams the weights, which oneDNN did at ~13 GB/s of the ~25 GB/s
 the 2-core Xeon reads (docs/benchmarks.md, 2026-12-02). So the first start on such a CPU times them (``measure``, on
-the threads steps run with; ``runtime.measured``): both layouts at 1 and 16 rows over 96 MB of weights, more than a
-cache holds, and the pairs' kernel, the pairs unpacked and oneDNN's layout at 64, 256 and 1,024 rows.
-``unpack_from_rows`` is the first of those where unpacking beat the pairs' kernel; the pairs serve where they are
-faster at decode and not much slower on a chunk (``CHUNK_SLACK``). What was measured is kept beside the compiled
-kernels (one file per machine and kernel sources) and logged. ``RADIXSERVE_BF16_LAYOUT=pairs|onednn`` and
-``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` override the choice (``runtime.envs``).
+the threads steps run with; ``runtime.measured``): every way at 1 and 16 rows over 96 MB of weights, more than a
+cache holds, and at 64, 256 and 1,024 rows (``decide``): the pairs' kernel, the tiles, the pairs unpacked and
+oneDNN's layout. ``tiles_from_rows`` is the first of those row counts where the tiles beat the pairs' kernel,
+``unpack_from_rows`` the first where unpacking beat what the pairs served there otherwise; the pairs serve where
+they are faster at decode and not much slower on a chunk (``CHUNK_SLACK``). What was measured is kept beside the
+compiled kernels (one file per machine and kernel sources) and logged. ``RADIXSERVE_BF16_LAYOUT=pairs|onednn``,
+``RADIXSERVE_BF16_TILES_FROM_ROWS`` and ``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` override the choice (``runtime.envs``).
 """
 
 from __future__ import annotations
@@ -53,38 +56,41 @@ class Bf16Layout:
     pairs: bool  # packed in pairs of K (csrc/bf16_packed.cpp); False: packed for oneDNN
     unpack_from_rows: int = NEVER  # with the pairs: products of this many rows or more take oneDNN's GEMM
     why: str = ""
+    tiles_from_rows: int = NEVER  # with the pairs and AMX: from this many rows (below the above) the tiles serve
 
 
 @functools.cache
 def chosen() -> Bf16Layout:
     """This machine's layout (``RADIXSERVE_BF16_LAYOUT`` / ``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` first). Only asked
     where both layouts can serve: AVX-512 BF16, the pairs' kernel built and checked (``bf16_kernels``)."""
-    forced, rows = envs.bf16_layout(), envs.bf16_unpack_from_rows()
+    forced, rows, tiles = envs.bf16_layout(), envs.bf16_unpack_from_rows(), envs.bf16_tiles_from_rows()
     if forced == "onednn":
         return Bf16Layout(False, NEVER, "RADIXSERVE_BF16_LAYOUT=onednn")
     if "amx_bf16" not in cpu_flags():
         return Bf16Layout(True, rows or NEVER, "no AMX: the pairs serve every workload faster")
-    if forced == "pairs" and rows is not None:
-        return Bf16Layout(True, rows, "RADIXSERVE_BF16_LAYOUT=pairs")
+    if forced == "pairs" and rows is not None and tiles is not None:
+        return Bf16Layout(True, rows, "RADIXSERVE_BF16_LAYOUT=pairs", tiles)
     found = measured()
     layout = Bf16Layout(
         forced == "pairs" or found["pairs"],
         rows or int(found["unpack_from_rows"]),
         "RADIXSERVE_BF16_LAYOUT=pairs" if forced == "pairs" else "measured on this CPU",
+        tiles or int(found["tiles_from_rows"]),
     )
-    decode = found["decode_ms"]
+    decode, served = found["decode_ms"], found["served_ms"]
     logger.info(
         "bfloat16 weights %s (%s, %d threads: decode steps of %s rows %s ms in pairs, %s ms in oneDNN's layout; a "
-        "%s-row chunk %.2fx oneDNN's in pairs)%s",
+        "%s-row chunk %.2fx oneDNN's in pairs)%s%s",
         "packed in pairs of K" if layout.pairs else "packed for oneDNN",
         layout.why,
         found["threads"],
-        "/".join(decode["pairs"]),
-        "/".join(f"{ms:.1f}" for ms in decode["pairs"].values()),
+        "/".join(decode["onednn"]),
+        "/".join(f"{served[r]:.1f}" for r in decode["onednn"]),
         "/".join(f"{ms:.1f}" for ms in decode["onednn"].values()),
         list(found["many_rows_ms"])[-1],
         found["chunk_ratio"],
-        f"; from {layout.unpack_from_rows} rows the pairs unpack for oneDNN's GEMM"
+        f"; from {layout.tiles_from_rows} rows on AMX tiles" if layout.pairs and layout.tiles_from_rows < NEVER else "",
+        f"; from {layout.unpack_from_rows} rows unpacked for oneDNN's GEMM"
         if layout.pairs and layout.unpack_from_rows < NEVER
         else "",
     )
@@ -93,7 +99,8 @@ def chosen() -> Bf16Layout:
 
 def measured() -> dict:
     """What ``measure`` found on this machine (``runtime.measured.once``: kept beside the compiled kernels)."""
-    keys = {"pairs", "unpack_from_rows", "chunk_ratio", "threads", "decode_ms", "many_rows_ms"}
+    keys = {"pairs", "tiles_from_rows", "unpack_from_rows", "chunk_ratio", "served_ms"}
+    keys |= {"threads", "decode_ms", "many_rows_ms"}
     return once(CACHE_FILE, keys, measure, "the bfloat16 weight layouts")
 
 
@@ -106,14 +113,14 @@ def measure(
 ) -> dict:
     """Times both layouts on the caller's intra-op threads over ``weights`` random weights of ``shape`` (24 of
     2,048 x 1,024: 96 MB each way, so that a pass streams them from memory as a decode step does) at each of
-    ``decode_rows``, and on two of the weights at each of ``many_rows``: the pairs' kernel, the pairs unpacked for
-    oneDNN's GEMM, and oneDNN's layout. Returns the medians (ms a pass); ``unpack_from_rows``, the first of
-    ``many_rows`` where unpacking beat the pairs' kernel (``NEVER`` if none); ``chunk_ratio``, the pairs' faster way
-    over oneDNN's at the last of ``many_rows``; and ``pairs``, the choice (see ``CHUNK_SLACK``)."""
-    from radixserve.runtime.models.bf16_kernels import packed_ops, unpacked_product
+    ``decode_rows``, and on two of the weights at each of ``many_rows``: the pairs' kernel (``pairs``), the tiles
+    where they serve (``tiles``, ``bf16_kernels.tiles_ops``), the pairs unpacked for oneDNN's GEMM (``unpacked``,
+    ``many_rows`` only) and oneDNN's layout (``onednn``). Returns the medians (ms a pass) with what ``decide``
+    makes of them."""
+    from radixserve.runtime.models.bf16_kernels import packed_ops, tiles_ops, unpacked_product
     from radixserve.runtime.models.linear import PACK_BATCH_HINT
 
-    ops = packed_ops()
+    ops, tiles = packed_ops(), tiles_ops()
     assert ops is not None, "measure needs the pairs' kernel (bf16_kernels.packed_ops)"
     gen = torch.Generator().manual_seed(0)
     none = torch.empty(0, dtype=torch.bfloat16)
@@ -124,32 +131,65 @@ def measure(
         pairs = [ops.pack([plain.clone()], 1) for _ in range(weights)]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(plain.clone(), PACK_BATCH_HINT) for _ in range(weights)]
 
-        def kernels(x: torch.Tensor, count: int) -> list:
-            return [
-                lambda: [ops.linear(x, w, none) for w in pairs[:count]],
-                lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn[:count]],
-                lambda: [unpacked_product(x, w, None, False) for w in pairs[:count]],
-            ]
+        def ways(x: torch.Tensor, count: int, unpacked: bool) -> dict:
+            onednn_linear = torch.ops.mkldnn._linear_pointwise
+            found = {
+                "pairs": lambda: [ops.linear(x, w, none) for w in pairs[:count]],
+                "onednn": lambda: [onednn_linear(x, w, None, "none", [], "") for w in onednn[:count]],
+            }
+            if tiles is not None:
+                found["tiles"] = lambda: [tiles.linear(x, w, none) for w in pairs[:count]]
+            if unpacked:
+                found["unpacked"] = lambda: [unpacked_product(x, w, None, False) for w in pairs[:count]]
+            return found
 
-        decode: dict[str, dict[str, float]] = {"pairs": {}, "onednn": {}}
+        decode: dict[str, dict[str, float]] = {}
         for rows in decode_rows:
             x = torch.randn((rows, k), generator=gen).to(torch.bfloat16)
-            decode["pairs"][str(rows)], decode["onednn"][str(rows)] = race(kernels(x, weights)[:2], rounds)
+            timed = ways(x, weights, unpacked=False)
+            for way, ms in zip(timed, race(list(timed.values()), rounds), strict=True):
+                decode.setdefault(way, {})[str(rows)] = ms
         many: dict[str, dict[str, float]] = {}
         for rows in many_rows:
             x = torch.randn((rows, k), generator=gen).to(torch.bfloat16)
-            timed = race(kernels(x, few), max(1, rounds // 2))
-            many[str(rows)] = dict(zip(("pairs", "onednn", "unpacked"), timed, strict=True))
-    unpack_from = next((int(r) for r, t in many.items() if t["unpacked"] < t["pairs"]), NEVER)
-    chunk = many[str(many_rows[-1])]
-    ratio = min(chunk["pairs"], chunk["unpacked"]) / chunk["onednn"]
-    faster = sum(decode["pairs"].values()) < sum(decode["onednn"].values())
+            timed = ways(x, few, unpacked=True)
+            many[str(rows)] = dict(zip(timed, race(list(timed.values()), max(1, rounds // 2)), strict=True))
     return {
-        "pairs": faster and ratio <= CHUNK_SLACK,
-        "unpack_from_rows": unpack_from,
-        "chunk_ratio": ratio,
+        **decide(decode, many),
         "decode_ms": decode,
         "many_rows_ms": many,
         "weights": [weights, n, k],
         "threads": torch.get_num_threads(),
+    }
+
+
+def decide(decode: dict[str, dict[str, float]], many: dict[str, dict[str, float]]) -> dict:
+    """What serves, from ``measure``'s medians (``decode``: way -> rows -> ms, ``many``: rows -> way -> ms):
+
+    * ``tiles_from_rows``: the fewest measured rows where the tiles beat the pairs' kernel (``NEVER``: nowhere, or no
+      tiles), ``unpack_from_rows``: the fewest where unpacking beat what the pairs served there otherwise; a product
+      takes the way of the largest measured row count at or below its own;
+    * ``served_ms``: rows -> what the pairs take that way;
+    * ``pairs``: the pairs faster at the decode rows (summed) and their chunk (the last of ``many``) at most
+      ``CHUNK_SLACK`` times oneDNN's (``chunk_ratio``)."""
+    timed = {int(rows): {way: decode[way][rows] for way in decode} for rows in decode["onednn"]}
+    timed |= {int(rows): ways for rows, ways in many.items()}
+    order = sorted(timed)
+    inf = float("inf")
+    tiles_from = next((r for r in order if timed[r].get("tiles", inf) < timed[r]["pairs"]), NEVER)
+
+    def kernel(rows: int) -> float:
+        return timed[rows]["tiles"] if rows >= tiles_from else timed[rows]["pairs"]
+
+    unpack_from = next((r for r in order if timed[r].get("unpacked", inf) < kernel(r)), NEVER)
+    served = {r: timed[r]["unpacked"] if r >= unpack_from else kernel(r) for r in order}
+    chunk = max(int(r) for r in many)
+    ratio = served[chunk] / timed[chunk]["onednn"]
+    faster = sum(served[int(r)] for r in decode["onednn"]) < sum(decode["onednn"].values())
+    return {
+        "pairs": faster and ratio <= CHUNK_SLACK,
+        "tiles_from_rows": tiles_from,
+        "unpack_from_rows": unpack_from,
+        "chunk_ratio": ratio,
+        "served_ms": {str(r): ms for r, ms in served.items()},
     }

@@ -217,6 +217,7 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(1) == 16 * K &&
                   packed.is_contiguous() && K % 32 == 0,
               "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's), K % 32 == 0");
+  if (M >= radixserve_bf16_tiles::from_rows()) return radixserve_bf16_tiles::packed_product(x, packed, bias, gated);
   const int64_t blocks = packed.size(0), N = 16 * blocks;
   TORCH_CHECK(!gated || blocks % 2 == 0, "bf16_packed: a gate/up weight has as many up blocks as gate blocks");
   const std::vector<float> bias_f = radixserve_bf16_linear::bias_floats(bias, N, "bf16_packed");
