@@ -72,6 +72,10 @@ def test_packed_products_run_on_the_tiles_from_the_row_count_set() -> None:
         assert torch.equal(ops.linear(x, packed, b), kernel[0])
     with pytest.raises(RuntimeError, match="from at least one row"):
         tiles.use_from_rows(0, emulated=True)
+    with pytest.raises(RuntimeError, match=r"bf16_tiles: packed \[N / 16, 16 K\]"):
+        tiles.emulated(x[:, :32].contiguous(), packed, b)
+    with pytest.raises(RuntimeError, match="bf16_packed: a gate/up weight has as many up blocks"):
+        ops.linear_silu_mul(x, packed[:3].contiguous(), NONE)
     if bf16_kernels.tiles_ops() is None:
         with pytest.raises(RuntimeError, match="not usable here"):
             tiles.use_from_rows(3)

@@ -211,15 +211,9 @@ namespace {
 
 // linear (gated false) and linear_silu_mul (gated true): see their registrations.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, bool gated) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "bf16_packed: x [M, K] bfloat16, contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(1) == 16 * K &&
-                  packed.is_contiguous() && K % 32 == 0,
-              "bf16_packed: packed [N / 16, 16 K] bfloat16 (pack's), K % 32 == 0");
+  radixserve_bf16_tiles::check_operands(x, packed, gated, "bf16_packed");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = 16 * blocks;
   if (M >= radixserve_bf16_tiles::from_rows()) return radixserve_bf16_tiles::packed_product(x, packed, bias, gated);
-  const int64_t blocks = packed.size(0), N = 16 * blocks;
-  TORCH_CHECK(!gated || blocks % 2 == 0, "bf16_packed: a gate/up weight has as many up blocks as gate blocks");
   const std::vector<float> bias_f = radixserve_bf16_linear::bias_floats(bias, N, "bf16_packed");
   const bool has_bias = !bias_f.empty();
   // Gated: the work is the gate blocks; each comes with its up block, G blocks further.

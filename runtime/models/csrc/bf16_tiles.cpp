@@ -50,6 +50,18 @@ std::atomic<bool> emulated_{false};
 
 inline int64_t from_rows() { return from_rows_.load(std::memory_order_relaxed); }
 
+// The operands both products over the pairs layout take (this file's and bf16_packed.cpp's, named `kernel`).
+inline void check_operands(const torch::Tensor& x, const torch::Tensor& packed, bool gated, const char* kernel) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), kernel,
+              ": x [M, K] bfloat16, contiguous");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(1) == 16 * K &&
+                  packed.is_contiguous() && K % 32 == 0,
+              kernel, ": packed [N / 16, 16 K] bfloat16 (bf16_packed.pack's), K % 32 == 0");
+  TORCH_CHECK(!gated || packed.size(0) % 2 == 0, kernel,
+              ": a gate/up weight has as many up blocks as gate blocks");
+}
+
 #ifdef RADIXSERVE_AMX
 constexpr bool AVAILABLE = true;
 
@@ -265,14 +277,8 @@ void units(const bf16* x, int64_t m0, int64_t m1, int64_t K, const bf16* packed,
 
 template <class T>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias, bool gated) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "bf16_tiles: x [M, K] bfloat16, contiguous");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(1) == 16 * K &&
-                  packed.is_contiguous() && K % 32 == 0,
-              "bf16_tiles: packed [N / 16, 16 K] bfloat16 (bf16_packed.pack's), K % 32 == 0");
-  const int64_t blocks = packed.size(0), N = 16 * blocks;
-  TORCH_CHECK(!gated || blocks % 2 == 0, "bf16_tiles: a gate/up weight has as many up blocks as gate blocks");
+  check_operands(x, packed, gated, "bf16_tiles");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = 16 * blocks;
   const std::vector<float> bias_f = radixserve_bf16_linear::bias_floats(bias, N, "bf16_tiles");
   const float* bp = bias_f.empty() ? nullptr : bias_f.data();
   const int64_t ldy = gated ? N / 2 : N, count = gated ? blocks / 2 : (blocks + 1) / 2;
