@@ -4,8 +4,9 @@
 // TDPBF16PS multiplies A (up to 16 rows x 32 bfloat16) by B (16 rows of 16 pairs: 32 K x 16 output channels, each
 // row one pair of K for every channel) into C (16 rows x 16 float32). A block of the pairs layout is exactly a
 // column of B tiles: its 16 channels' pairs p = k/2 .. k/2 + 15 are 16 consecutive 64-byte vectors, one 1 KB tile
-// at stride 64. The rows of x are A tiles as they lie (stride 2K bytes), and a C tile is 16 rows x 16 channels of y
-// in y's own order: the product needs no repack of either side and no transpose of its result.
+// at stride 64, read in place. A C tile is 16 rows x 16 channels of y in y's own order: no transpose of the result.
+// The rows of x are A tiles too (16 rows x 32 inputs, stride 2K bytes), but at K = 2,048 that stride puts a tile's
+// 16 rows in one set of L1: x is first copied in tile order (``as_tiles``: each 1 KB tile contiguous), once a call.
 //
 //   for each (chunk of rows, unit of two blocks), for each 32 inputs k:
 //     C[i][j] (tile 2i + j) += A_i (tile 4 + i: rows 16i .. of the chunk) * B_j (tile 6 + j: block j of the unit)
@@ -14,7 +15,8 @@
 // A unit is two consecutive blocks, or (gated, ``linear_silu_mul``) a gate block and its up block G = N / 32 blocks
 // further, whose C tiles are rounded to bfloat16 and written as silu(gate) * up: fused_ops.silu_mul over ``linear``'s
 // output, to the bit. Rows go in chunks of 32 (two A tiles; the last chunk's tiles as many rows as are left), and in
-// passes of at most ~1 MB of x, which stays in L2 while every unit's blocks pass over it.
+// passes of ~1 MB of x (at least 128 rows: each pass streams the weights once more), which stays in L2 while every
+// unit's blocks pass over it.
 //
 // The tiling is written once over a small tile interface (``Amx``: the instructions; ``Emulated``: the same eight
 // tiles in memory, scalar, shapes checked as TDPBF16PS checks them) so that a CPU without AMX tests it against
@@ -29,6 +31,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
@@ -89,8 +92,9 @@ struct Shape {
 };
 
 // The tiles of a chunk whose halves have a0 (1-16) and a1 (0-16) rows: C[i][j] = tile 2i + j (a_i rows of 16
-// float32), A_i = tile 4 + i (a_i rows of 32 bfloat16), B_j = tile 6 + j (16 pairs of 16 channels). A tile of no rows
-// is invalid to configure: an unused second half gets one row, and is never touched.
+// float32), A_i = tile 4 + i (a_i rows of 32 bfloat16), B_j = tile 6 + j (16 pairs of 16 channels). An unused second
+// half gets one row: every C tile is zeroed at each chunk (``zero_c``), and an unconfigured tile (no rows, no bytes)
+// faults on any use; it is never loaded, multiplied or stored.
 inline Shape shape_of(int a0, int a1) {
   Shape s{};
   const int r[2] = {a0, std::max(a1, 1)};
@@ -226,9 +230,38 @@ void write(const float (*c)[256], const int* a, bool two, const float* const* bi
     }
 }
 
-// Rows [m0, m1) of x against units [u0, u1) (see the file's comment), on this thread's tiles.
+// x [M, K] in A tiles' order: for each 16-row chunk c of it and each 32 inputs s, one tile of 16 rows x 64 bytes at
+// out + (c * K / 32 + s) * 512 (rows past M left as they are: a partial tile loads only its rows). In a buffer of the
+// calling thread up to 256 KB (decode rows), else in `hold`.
+const bf16* as_tiles(const bf16* x, int64_t M, int64_t K, torch::Tensor& hold) {
+  const int64_t chunks = (M + 15) / 16, steps = K / 32, n = chunks * 16 * K;
+  thread_local std::vector<bf16> small;
+  bf16* out;
+  if (n <= (int64_t{1} << 17)) {
+    if (small.size() < static_cast<size_t>(n)) small.resize(static_cast<size_t>(n));
+    out = small.data();
+  } else {
+    hold = torch::empty({n}, torch::kBFloat16);
+    out = hold.data_ptr<bf16>();
+  }
+  auto copy = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = 0; r < std::min<int64_t>(16, M - 16 * c); ++r) {
+        const bf16* row = x + (16 * c + r) * K;
+        for (int64_t s = 0; s < steps; ++s) std::memcpy(out + ((c * steps + s) * 16 + r) * 32, row + 32 * s, 64);
+      }
+  };
+  if (M > 64) {
+    at::parallel_for(0, chunks, 1, copy);
+  } else {
+    copy(0, chunks);
+  }
+  return out;
+}
+
+// Rows [m0, m1) of x (`xt`: as_tiles') against units [u0, u1) (see the file's comment), on this thread's tiles.
 template <class T, bool GATED>
-void units(const bf16* x, int64_t m0, int64_t m1, int64_t K, const bf16* packed, int64_t blocks, int64_t u0,
+void units(const bf16* xt, int64_t m0, int64_t m1, int64_t K, const bf16* packed, int64_t blocks, int64_t u0,
            int64_t u1, const float* bias, bf16* y, int64_t ldy) {
   alignas(64) float c[4][256];
   Shape current{};
@@ -251,10 +284,10 @@ void units(const bf16* x, int64_t m0, int64_t m1, int64_t K, const bf16* packed,
         configured = true;
       }
       T::zero_c();
-      const bf16* x0 = x + m * K;
+      const bf16* x0 = xt + m * K;  // chunk m / 16's tiles (m is a multiple of 32), then the next chunk's
       const bf16* x1 = x0 + 16 * K;
       for (int64_t k = 0; k < K; k += 32) {
-        T::load(4, x0 + k, 2 * K);
+        T::load(4, x0 + 16 * k, 64);
         T::load(6, w0 + 16 * k, 64);
         T::dot(0);
         if (two) {
@@ -262,7 +295,7 @@ void units(const bf16* x, int64_t m0, int64_t m1, int64_t K, const bf16* packed,
           T::dot(1);
         }
         if (a[1] > 0) {
-          T::load(5, x1 + k, 2 * K);
+          T::load(5, x1 + 16 * k, 64);
           T::dot(2);
           if (two) T::dot(3);
         }
@@ -284,14 +317,17 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const tor
   const int64_t ldy = gated ? N / 2 : N, count = gated ? blocks / 2 : (blocks + 1) / 2;
   auto y = torch::empty({M, ldy}, x.options());
   if (M == 0) return y;
-  const bf16* xp = x.data_ptr<bf16>();
+  torch::Tensor hold;
+  const bf16* xp = as_tiles(x.data_ptr<bf16>(), M, K, hold);
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
-  // Passes of at most ~1 MB of x (whole chunks of 32 rows), each over every unit; the work is every (pass, unit),
-  // pass by pass, claimed 4 units at a time (balanced.h): a claim configures the tiles once.
-  const int64_t most = std::max<int64_t>(32, (int64_t{1} << 20) / (2 * K) / 32 * 32);
+  // Passes of ~1 MB of x (whole chunks of 32 rows, at least 128 rows), each over every unit; the work is every
+  // (pass, unit), pass by pass, claimed 4 units at a time (balanced.h: a claim configures the tiles once) where
+  // there are enough for every thread, else one at a time.
+  const int64_t most = std::max<int64_t>(128, (int64_t{1} << 20) / (2 * K) / 32 * 32);
   const int64_t passes = (M + most - 1) / most;
-  radixserve_balanced::balanced_for(passes * count, 4, [&](int64_t begin, int64_t end, int64_t) {
+  const int64_t claim = passes * count >= 8 * at::get_num_threads() ? 4 : 1;
+  radixserve_balanced::balanced_for(passes * count, claim, [&](int64_t begin, int64_t end, int64_t) {
     for (int64_t t = begin; t < end;) {
       const int64_t p = t / count, u0 = t % count, u1 = std::min(count, u0 + end - t);
       const int64_t m0 = p * most, m1 = std::min(M, m0 + most);
