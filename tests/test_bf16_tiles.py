@@ -58,18 +58,20 @@ def test_packed_products_run_on_the_tiles_from_the_row_count_set() -> None:
     w, b = torch.randn(96, 64, generator=gen).to(torch.bfloat16), torch.randn(96, generator=gen).to(torch.bfloat16)
     packed, x = ops.pack([w]), torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     with torch.inference_mode():
-        kernel = [ops.linear(x, packed, b), ops.linear_silu_mul(x, packed, b)]
-        emulated = [_emulated(x, packed, b, False), _emulated(x, packed, b, True)]
-        assert tiles.from_rows() > 1 << 40  # by default, never
+        before = tiles.from_rows()  # never, or (with AMX) what a model loaded earlier in this process set
         try:
+            tiles.use_from_rows(tiles.NEVER)
+            kernel = [ops.linear(x, packed, b), ops.linear_silu_mul(x, packed, b)]
+            emulated = [_emulated(x, packed, b, False), _emulated(x, packed, b, True)]
             tiles.use_from_rows(3, emulated=True)
             assert tiles.from_rows() == 3
             for rows, want in ((5, emulated), (3, [y[:3] for y in emulated]), (2, [y[:2] for y in kernel])):
                 assert torch.equal(ops.linear(x[:rows], packed, b), want[0])
                 assert torch.equal(ops.linear_silu_mul(x[:rows], packed, b), want[1])
-        finally:
             tiles.use_from_rows(tiles.NEVER)
-        assert torch.equal(ops.linear(x, packed, b), kernel[0])
+            assert torch.equal(ops.linear(x, packed, b), kernel[0])
+        finally:
+            tiles.use_from_rows(before)
     with pytest.raises(RuntimeError, match="from at least one row"):
         tiles.use_from_rows(0, emulated=True)
     with pytest.raises(RuntimeError, match=r"bf16_tiles: packed \[N / 16, 16 K\]"):
