@@ -121,6 +121,8 @@ struct Amx {
       cfg.rows[t] = static_cast<uint8_t>(s.rows[t]);
       cfg.colsb[t] = static_cast<uint16_t>(s.colsb[t]);
     }
+    // GCC's intrinsic declares 8 of the 64 bytes it reads: the barrier keeps every store to cfg before it.
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
   }
   static void zero_c() {
