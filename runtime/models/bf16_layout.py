@@ -61,7 +61,8 @@ class Bf16Layout:
 
 @functools.cache
 def chosen() -> Bf16Layout:
-    """This machine's layout (``RADIXSERVE_BF16_LAYOUT`` / ``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` first). Only asked
+    """This machine's layout (``RADIXSERVE_BF16_LAYOUT``, ``RADIXSERVE_BF16_UNPACK_FROM_ROWS`` and, with AMX,
+    ``RADIXSERVE_BF16_TILES_FROM_ROWS`` first; measured only where they leave something open). Only asked
     where both layouts can serve: AVX-512 BF16, the pairs' kernel built and checked (``bf16_kernels``)."""
     forced, rows, tiles = envs.bf16_layout(), envs.bf16_unpack_from_rows(), envs.bf16_tiles_from_rows()
     if forced == "onednn":
@@ -167,8 +168,8 @@ def decide(decode: dict[str, dict[str, float]], many: dict[str, dict[str, float]
     """What serves, from ``measure``'s medians (``decode``: way -> rows -> ms, ``many``: rows -> way -> ms):
 
     * ``tiles_from_rows``: the fewest measured rows where the tiles beat the pairs' kernel (``NEVER``: nowhere, or no
-      tiles), ``unpack_from_rows``: the fewest where unpacking beat what the pairs served there otherwise; a product
-      takes the way of the largest measured row count at or below its own;
+      tiles), ``unpack_from_rows``: the fewest where unpacking beat what the pairs served there otherwise; products
+      of that many rows or more take that way (a way that wins at some size is taken to keep winning above it);
     * ``served_ms``: rows -> what the pairs take that way;
     * ``pairs``: the pairs faster at the decode rows (summed) and their chunk (the last of ``many``) at most
       ``CHUNK_SLACK`` times oneDNN's (``chunk_ratio``)."""
