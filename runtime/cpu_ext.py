@@ -49,6 +49,7 @@ SOURCES = (
     RUNTIME / "csrc" / "module.cpp",
     RUNTIME / "csrc" / "simd.h",
     RUNTIME / "csrc" / "balanced.h",
+    RUNTIME / "csrc" / "amx_tiles.h",
     RUNTIME / "csrc" / "greedy.cpp",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "attention" / "csrc" / "extend_attention.cpp",

@@ -18,11 +18,10 @@
 // passes of ~1 MB of x (at least 128 rows: each pass streams the weights once more), which stays in L2 while every
 // unit's blocks pass over it.
 //
-// The tiling is written once over a small tile interface (``Amx``: the instructions; ``Emulated``: the same eight
-// tiles in memory, scalar, shapes checked as TDPBF16PS checks them) so that a CPU without AMX tests it against
-// F.linear: ``emulated`` runs it (slowly; tests only). bf16_packed's ``linear`` and ``linear_silu_mul`` come here
+// The tiling is written once over the tile interface of csrc/amx_tiles.h (``Amx``: the instructions; ``Emulated``:
+// the same eight tiles in memory, scalar, shapes checked as TDPBF16PS checks them) so that a CPU without AMX tests it
+// against F.linear: ``emulated`` runs it (slowly; tests only). bf16_packed's ``linear`` and ``linear_silu_mul`` come here
 // from ``from_rows`` rows on, set once by bf16_kernels from what bf16_layout measured (never, by default).
-// The process must be allowed AMX state (Linux arch_prctl ARCH_REQ_XCOMP_PERM): ``enable`` asks once.
 // Layouts: x [M, K] bfloat16 contiguous, K % 32 == 0; packed [N / 16, 16 K] (bf16_packed.pack); bias [N] or empty.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -33,14 +32,9 @@
 #include <limits>
 #include <vector>
 
+#include "../../csrc/amx_tiles.h"
 #include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define RADIXSERVE_AMX 1
-#endif
 
 namespace radixserve_bf16_tiles {
 
@@ -65,35 +59,21 @@ inline void check_operands(const torch::Tensor& x, const torch::Tensor& packed, 
               ": a gate/up weight has as many up blocks as gate blocks");
 }
 
-#ifdef RADIXSERVE_AMX
-constexpr bool AVAILABLE = true;
-
-bool enable() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux: ask for AMX tile data state
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
-#else
-constexpr bool AVAILABLE = false;
-
-bool enable() { return false; }
-#endif
+using radixserve_amx::AVAILABLE;
+using radixserve_amx::enable;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 namespace {
 
-// Rows and bytes per row of each of the 8 tiles (palette 1).
-struct Shape {
-  int rows[8];
-  int colsb[8];
-  bool operator==(const Shape& o) const {
-    return std::equal(rows, rows + 8, o.rows) && std::equal(colsb, colsb + 8, o.colsb);
-  }
-};
+using radixserve_amx::Emulated;
+using radixserve_amx::Shape;
+#ifdef RADIXSERVE_AMX
+using radixserve_amx::Amx;
+#endif
 
 // The tiles of a chunk whose halves have a0 (1-16) and a1 (0-16) rows: C[i][j] = tile 2i + j (a_i rows of 16
 // float32), A_i = tile 4 + i (a_i rows of 32 bfloat16), B_j = tile 6 + j (16 pairs of 16 channels). An unused second
-// half gets one row: every C tile is zeroed at each chunk (``zero_c``), and an unconfigured tile (no rows, no bytes)
+// half gets one row: every C tile is zeroed at each chunk, and an unconfigured tile (no rows, no bytes)
 // faults on any use; it is never loaded, multiplied or stored.
 inline Shape shape_of(int a0, int a1) {
   Shape s{};
@@ -105,110 +85,6 @@ inline Shape shape_of(int a0, int a1) {
   for (int t = 0; t < 8; ++t) s.colsb[t] = 64;
   return s;
 }
-
-#ifdef RADIXSERVE_AMX
-// The instructions. Tile numbers are immediates (GCC's intrinsics paste them into the mnemonic), hence the switches,
-// which fold away: every call site passes constants.
-struct Amx {
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-  static void configure(const Shape& s) {
-    Config cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = static_cast<uint8_t>(s.rows[t]);
-      cfg.colsb[t] = static_cast<uint16_t>(s.colsb[t]);
-    }
-    // GCC's intrinsic declares 8 of the 64 bytes it reads: the barrier keeps every store to cfg before it.
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
-  }
-  static void zero_c() {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  static void load(int t, const void* p, int64_t stride) {
-    switch (t) {
-      case 4: _tile_loadd(4, p, stride); break;
-      case 5: _tile_loadd(5, p, stride); break;
-      case 6: _tile_loadd(6, p, stride); break;
-      default: _tile_loadd(7, p, stride); break;
-    }
-  }
-  static void dot(int c) {  // C tile c += A (4 + c / 2) * B (6 + c % 2)
-    switch (c) {
-      case 0: _tile_dpbf16ps(0, 4, 6); break;
-      case 1: _tile_dpbf16ps(1, 4, 7); break;
-      case 2: _tile_dpbf16ps(2, 5, 6); break;
-      default: _tile_dpbf16ps(3, 5, 7); break;
-    }
-  }
-  static void store(int t, void* p, int64_t stride) {
-    switch (t) {
-      case 0: _tile_stored(0, p, stride); break;
-      case 1: _tile_stored(1, p, stride); break;
-      case 2: _tile_stored(2, p, stride); break;
-      default: _tile_stored(3, p, stride); break;
-    }
-  }
-  static void release() { _tile_release(); }
-};
-#endif
-
-// The same eight tiles in this thread's memory, each row 64 bytes, with TDPBF16PS's arithmetic in float32 and its
-// shape checks: a tiling that works here works on the tile units (up to the order of float32 sums).
-struct Emulated {
-  struct File {
-    Shape shape{};
-    alignas(64) uint8_t data[8][1024] = {};
-  };
-  static File& file() {
-    thread_local File f;
-    return f;
-  }
-  static void configure(const Shape& s) {
-    for (int t = 0; t < 8; ++t)
-      TORCH_CHECK(s.rows[t] >= 1 && s.rows[t] <= 16 && s.colsb[t] >= 4 && s.colsb[t] <= 64 && s.colsb[t] % 4 == 0,
-                  "bf16_tiles: tile ", t, " configured ", s.rows[t], " x ", s.colsb[t], " bytes");
-    File& f = file();
-    f.shape = s;
-    std::memset(f.data, 0, sizeof(f.data));  // LDTILECFG zeroes the tiles
-  }
-  static void zero_c() { std::memset(file().data, 0, 4 * 1024); }
-  static void load(int t, const void* p, int64_t stride) {
-    File& f = file();
-    for (int r = 0; r < f.shape.rows[t]; ++r)
-      std::memcpy(f.data[t] + 64 * r, static_cast<const char*>(p) + r * stride, f.shape.colsb[t]);
-  }
-  static void dot(int c) {
-    File& f = file();
-    const int a = 4 + c / 2, b = 6 + c % 2;
-    const Shape& s = f.shape;
-    TORCH_CHECK(s.rows[c] == s.rows[a] && s.colsb[c] == s.colsb[b] && s.rows[b] * 4 == s.colsb[a],
-                "bf16_tiles: tile shapes TDPBF16PS refuses (C ", c, ", A ", a, ", B ", b, ")");
-    float* C = reinterpret_cast<float*>(f.data[c]);
-    const bf16* A = reinterpret_cast<const bf16*>(f.data[a]);
-    const bf16* B = reinterpret_cast<const bf16*>(f.data[b]);
-    for (int m = 0; m < s.rows[c]; ++m)
-      for (int n = 0; n < s.colsb[c] / 4; ++n) {
-        float acc = C[16 * m + n];
-        for (int p = 0; p < s.rows[b]; ++p)
-          acc += static_cast<float>(A[32 * m + 2 * p]) * static_cast<float>(B[32 * p + 2 * n]) +
-                 static_cast<float>(A[32 * m + 2 * p + 1]) * static_cast<float>(B[32 * p + 2 * n + 1]);
-        C[16 * m + n] = acc;
-      }
-  }
-  static void store(int t, void* p, int64_t stride) {
-    File& f = file();
-    for (int r = 0; r < f.shape.rows[t]; ++r)
-      std::memcpy(static_cast<char*>(p) + r * stride, f.data[t] + 64 * r, f.shape.colsb[t]);
-  }
-  static void release() {}
-};
 
 // One chunk's C tiles (c[t]: rows of 16 float32) into y's rows, the bias added (`bias[j]`: block j's 16 values or
 // null); `a[i]` rows in half i; `two`: block 1 is there. GATED: block 0 is the gate, block 1 the up, y gets one block
@@ -285,21 +161,21 @@ void units(const bf16* xt, int64_t m0, int64_t m1, int64_t K, const bf16* packed
         current = s;
         configured = true;
       }
-      T::zero_c();
+      for (int t = 0; t < 4; ++t) T::zero(t);
       const bf16* x0 = xt + m * K;  // chunk m / 16's tiles (m is a multiple of 32), then the next chunk's
       const bf16* x1 = x0 + 16 * K;
       for (int64_t k = 0; k < K; k += 32) {
         T::load(4, x0 + 16 * k, 64);
         T::load(6, w0 + 16 * k, 64);
-        T::dot(0);
+        T::dot(0, 4, 6);
         if (two) {
           T::load(7, w1 + 16 * k, 64);
-          T::dot(1);
+          T::dot(1, 4, 7);
         }
         if (a[1] > 0) {
           T::load(5, x1 + 16 * k, 64);
-          T::dot(2);
-          if (two) T::dot(3);
+          T::dot(2, 5, 6);
+          if (two) T::dot(3, 5, 7);
         }
       }
       for (int t = 0; t < 4; ++t)
