@@ -22,7 +22,6 @@ import torch
 
 from bench.common import format_table, machine_summary
 from radixserve.runtime.attention import cpu_kernels
-from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
 from radixserve.runtime.models import bf16_layout
 from radixserve.runtime.models.bf16_kernels import packed_ops
@@ -59,18 +58,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(["round", "rows", *WAYS, "pairs served", "pairs / oneDNN"], rows))
     print("\n".join(["", *choices]))
 
-    module = load_kernels()
-    if module is None or not module.extend_attention.available():
+    ops = cpu_kernels.prefill_ops()  # the kernel, and with AMX its form on tiles
+    if not ops:
         return
-    op = module.extend_attention.extend_attention
     rows = []
     for _ in range(args.rounds):
-        found = on_a_thread_of_its_own(lambda: cpu_kernels.prefill_timings(op), args.threads)
-        kernel, sdpa = found["kernel_ms"], found["sdpa_ms"]
-        rows += [[chunk, kernel[chunk], sdpa[chunk], sdpa[chunk] / kernel[chunk]] for chunk in kernel]
+        found = on_a_thread_of_its_own(lambda: cpu_kernels.prefill_timings(ops), args.threads)
+        sdpa = found["sdpa_ms"]
+        for chunk in sdpa:
+            rows.append([chunk, *(found[f"{name}_ms"][chunk] for name in ops), sdpa[chunk]])
     print(f"\n## bfloat16 prefill attention ({args.threads} threads; 16 query heads, 4 KV heads, head size 64)")
-    print(format_table(["chunk (q_len/kv_len)", "kernel ms", "SDPA ms", "kernel x SDPA"], rows))
-
+    print(format_table(["chunk (q_len/kv_len)", *(f"{name} ms" for name in ops), "SDPA ms"], rows))
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,8 @@ reference backend's step (decode rows, fresh chunks, chunks after a cached prefi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -142,10 +144,10 @@ def test_a_tokens_result_does_not_depend_on_its_chunk(op, window: int) -> None:
     assert torch.equal(torch.cat(pieces), whole)
 
 
-def test_with_amx_the_faster_of_the_kernel_and_sdpa_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """On a CPU with AMX the first start times the kernel against SDPA and keeps what it found beside the compiled
-    kernels; the faster serves, and a later start reads the file instead of timing again. The timing itself (small
-    here) gives each chunk's medians for both."""
+def test_with_amx_the_fastest_of_the_kernels_and_sdpa_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a CPU with AMX the first start times the kernel (and its form on AMX tiles, where they serve) against SDPA
+    and keeps what it found beside the compiled kernels; the fastest serves, and a later start reads the file instead
+    of timing again. The timing itself (small here) gives each chunk's medians for each."""
     from radixserve.runtime.attention import cpu_kernels
     from radixserve.runtime.threads import on_a_thread_of_its_own
 
@@ -154,15 +156,19 @@ def test_with_amx_the_faster_of_the_kernel_and_sdpa_serves(monkeypatch: pytest.M
         pytest.skip("no AVX-512 BF16 build: there is no kernel to time")
     kernel = module.extend_attention.extend_attention
     small = on_a_thread_of_its_own(
-        lambda: cpu_kernels.prefill_timings(kernel, heads=(4, 2, 64), chunks=((64, 64), (16, 80)), rounds=1), 2
+        lambda: cpu_kernels.prefill_timings(
+            {"kernel": kernel}, heads=(4, 2, 64), chunks=((64, 64), (16, 80)), rounds=1
+        ),
+        2,
     )
+    assert set(small) == {"kernel_ms", "sdpa_ms"}
     for path in ("kernel_ms", "sdpa_ms"):
         assert set(small[path]) == {"64/64", "16/80"} and all(ms > 0 for ms in small[path].values())
 
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     timed: list[dict] = []
-    monkeypatch.setattr(cpu_kernels, "prefill_timings", lambda op: timed[-1])
+    monkeypatch.setattr(cpu_kernels, "prefill_timings", lambda ops: timed[-1])
     try:
         timed.append({"kernel_ms": {"1024/1024": 10.0}, "sdpa_ms": {"1024/1024": 20.0}})
         cpu_kernels.extend_attention_op.cache_clear()
@@ -174,5 +180,38 @@ def test_with_amx_the_faster_of_the_kernel_and_sdpa_serves(monkeypatch: pytest.M
             kept.unlink()
         cpu_kernels.extend_attention_op.cache_clear()
         assert cpu_kernels.extend_attention_op() is None
+        for kept in tmp_path.rglob(cpu_kernels.PREFILL_TIMINGS):
+            kept.unlink()
+        fastest = {"kernel_ms": {"1024/1024": 9.0}, "tiles_ms": {"1024/1024": 3.0}, "sdpa_ms": {"1024/1024": 6.0}}
+        timed.append(fastest)  # the tiles where they serve (with AMX), else the kernel
+        monkeypatch.setattr(cpu_kernels, "prefill_ops", lambda: {"kernel": kernel, "tiles": reference_extend_attention})
+        cpu_kernels.extend_attention_op.cache_clear()
+        assert cpu_kernels.extend_attention_op() is reference_extend_attention
     finally:
         cpu_kernels.extend_attention_op.cache_clear()  # (decided again for this machine when next asked)
+
+
+def test_the_tile_products_agree_with_the_reference() -> None:
+    """``extend_attention_tiles`` (the kernel with its scores and weighted values on AMX tiles) passes the check a
+    start runs, with the tiles emulated in memory on any CPU with AVX-512 BF16 and on the tile units with AMX; and it
+    gives what the vdpbf16ps kernel gives on a longer chunk after a cached prefix, with a window and two slices of
+    query heads."""
+    from radixserve.runtime.attention import cpu_kernels
+
+    module = load_kernels()
+    if module is None or not module.extend_attention.available():
+        pytest.skip("no AVX-512 BF16 build")
+    tiles = module.extend_attention.extend_attention_tiles
+    emulated = functools.partial(tiles, emulated=True)
+    assert cpu_kernels._self_check_extend(emulated)
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(2, 2, 500, 64, generator=gen).bfloat16()
+    q = torch.randn(150, 20, 64, generator=gen).bfloat16()
+    slots, seqs = torch.randperm(500, generator=gen)[:400], torch.tensor([[0, 150, 400, 0]])
+    want = module.extend_attention.extend_attention(q, kv, slots, seqs, 0.125, 100)
+    torch.testing.assert_close(emulated(q, kv, slots, seqs, 0.125, 100), want, rtol=2e-2, atol=2e-2)
+    if module.extend_attention.tiles_available and "amx_bf16" in cpu_kernels.cpu_flags():
+        torch.testing.assert_close(tiles(q, kv, slots, seqs, 0.125, 100), want, rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(RuntimeError, match="AMX tiles are not usable here"):
+            tiles(q, kv, slots, seqs, 0.125, 100)

@@ -10,7 +10,8 @@ Prefill attention in bfloat16 has a kernel too, where the CPU has AVX-512 BF16 (
 every long prefill chunk of a step in one call, its cached prefix read from the pool in place, products on
 vdpbf16ps. Without AMX, SDPA's flash kernel widens bfloat16 to float32 for sgemm (2-core Zen 4, SmolLM2's heads, one
 600-token prompt: 9.1 -> 2.2 ms a layer, 46 -> 193 GFLOP/s); with AMX, SDPA multiplies on the tile unit (310-490
-GFLOP/s measured on the 2-core Xeon), and which of the two serves is timed on the machine's first start
+GFLOP/s measured on the 2-core Xeon), and so can the kernel (``extend_attention_tiles``: its packed keys and values
+are already the tiles' B operands); which of the three serves is timed on the machine's first start
 (``prefill_timings``, kept beside the compiled kernels: ``runtime.measured``).
 
 They are built once per machine by ``runtime.cpu_ext``; a machine without a compiler, a failed build, or a kernel that
@@ -169,47 +170,64 @@ def _self_check_extend(op: ExtendAttention) -> bool:
     return True
 
 
-@functools.cache
-def extend_attention_op() -> ExtendAttention | None:
-    """The compiled bfloat16 prefill-attention kernel, or ``None`` where the CPU lacks AVX-512 BF16, the kernels are
-    off or cannot be built, it fails its check, or the CPU has AMX and SDPA measured faster there
-    (``prefill_timings``)."""
+def prefill_ops() -> dict[str, ExtendAttention]:
+    """The compiled bfloat16 prefill-attention kernels that pass their check here: ``kernel`` (vdpbf16ps; none
+    where the CPU lacks AVX-512 BF16, the kernels are off or cannot be built) and, with AMX, ``tiles`` (its products
+    on the tile units: ``extend_attention_tiles``)."""
     module = load_kernels()
     if module is None or not module.extend_attention.available():
-        return None
-    op = _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
-    if op is None or "amx_bf16" not in cpu_flags():
-        return op
-    found = once(PREFILL_TIMINGS, {"kernel_ms", "sdpa_ms"}, lambda: prefill_timings(op), "bfloat16 prefill attention")
-    kernel, sdpa = sum(found["kernel_ms"].values()), sum(found["sdpa_ms"].values())
+        return {}
+    ops = {}
+    kernel = _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
+    if kernel is not None:
+        ops["kernel"] = kernel
+    if module.extend_attention.tiles_available and "amx_bf16" in cpu_flags():
+        tiles = functools.partial(module.extend_attention.extend_attention_tiles, emulated=False)
+        tiles = _checked(tiles, _self_check_extend, "prefill-attention AMX tile", "the other kernel or SDPA")
+        if tiles is not None:
+            ops["tiles"] = tiles
+    return ops
+
+
+@functools.cache
+def extend_attention_op() -> ExtendAttention | None:
+    """The compiled bfloat16 prefill-attention kernel (``prefill_ops``), or ``None`` for SDPA: without AMX the
+    vdpbf16ps kernel where it passes its check; with AMX whichever of it, the tile kernel and SDPA measured fastest
+    on this CPU (``prefill_timings``, once per machine)."""
+    ops = prefill_ops()
+    if not ops or "amx_bf16" not in cpu_flags():
+        return ops.get("kernel")
+    keys = {f"{name}_ms" for name in ops} | {"sdpa_ms"}
+    found = once(PREFILL_TIMINGS, keys, lambda: prefill_timings(ops), "bfloat16 prefill attention")
+    totals = {name: sum(found[f"{name}_ms"].values()) for name in (*ops, "sdpa")}
+    best = min(totals, key=totals.__getitem__)
     logger.info(
-        "bfloat16 prefill attention: %s (measured on this CPU: the kernel %.1f ms, SDPA %.1f ms)",
-        "the compiled kernel" if kernel < sdpa else "SDPA",
-        kernel,
-        sdpa,
+        "bfloat16 prefill attention: %s (measured on this CPU: %s)",
+        {"kernel": "the compiled kernel", "tiles": "the compiled kernel on AMX tiles", "sdpa": "SDPA"}[best],
+        ", ".join(f"{name} {ms:.1f} ms" for name, ms in totals.items()),
     )
-    return op if kernel < sdpa else None
+    return ops.get(best)
 
 
 PREFILL_TIMINGS = "prefill_attention.json"
 
 
 def prefill_timings(
-    op: ExtendAttention,
+    ops: dict[str, ExtendAttention],
     heads: tuple[int, int, int] = (16, 4, 64),
     chunks: tuple[tuple[int, int], ...] = ((1024, 1024), (256, 1280)),
     rounds: int = 3,
 ) -> dict:
-    """Median milliseconds of the prefill kernel and of SDPA as ``TorchReferenceBackend`` calls it, on the caller's
-    intra-op threads, for each chunk (q_len, kv_len) of ``heads`` (query heads, KV heads, head size): by default a
-    fresh 1,024-token chunk (SDPA causal over the step's own keys) and a 256-token chunk after a cached 1,024-token
-    prefix (SDPA over keys gathered from the pool, with a mask). With AMX, SDPA multiplies on the tile units (310-490
-    GFLOP/s on the 2-core Xeon); the kernel, on vdpbf16ps, reads the prefix in place."""
+    """Median milliseconds of each prefill kernel of ``ops`` (``<name>_ms``) and of SDPA as ``TorchReferenceBackend``
+    calls it (``sdpa_ms``), on the caller's intra-op threads, for each chunk (q_len, kv_len) of ``heads`` (query
+    heads, KV heads, head size): by default a fresh 1,024-token chunk (SDPA causal over the step's own keys) and a
+    256-token chunk after a cached 1,024-token prefix (SDPA over keys gathered from the pool, with a mask). With AMX,
+    SDPA multiplies on the tile units (310-490 GFLOP/s on the 2-core Xeon); the kernels read the prefix in place."""
     n_heads, kv_heads, dim = heads
     gen = torch.Generator().manual_seed(0)
     size = max(kv_len for _, kv_len in chunks)
     kv = torch.randn(2, kv_heads, size, dim, generator=gen).bfloat16()
-    found: dict[str, dict[str, float]] = {"kernel_ms": {}, "sdpa_ms": {}}
+    found: dict[str, dict[str, float]] = {f"{name}_ms": {} for name in (*ops, "sdpa")}
     with torch.inference_mode():
         for q_len, kv_len in chunks:
             q = torch.randn(q_len, n_heads, dim, generator=gen).bfloat16()
@@ -231,8 +249,9 @@ def prefill_timings(
                     rows = kv.view(-1, dim).index_select(0, index).view(2, 1, kv_heads, -1, dim)
                     return F.scaled_dot_product_attention(qs, rows[0], rows[1], attn_mask=mask, enable_gqa=True)
 
-            key = f"{q_len}/{kv_len}"
-            found["kernel_ms"][key], found["sdpa_ms"][key] = race(
-                [lambda q=q, slots=slots, seqs=seqs: op(q, kv, slots, seqs, dim**-0.5, 0), sdpa], rounds
-            )
+            calls = [
+                lambda op=op, q=q, slots=slots, seqs=seqs: op(q, kv, slots, seqs, dim**-0.5, 0) for op in ops.values()
+            ]
+            for name, ms in zip(found, race([*calls, sdpa], rounds), strict=True):
+                found[name][f"{q_len}/{kv_len}"] = ms
     return found

@@ -36,8 +36,10 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
+#include "../../csrc/amx_tiles.h"
 #include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
 
@@ -128,6 +130,58 @@ inline void block_values(const uint32_t* const* prow, const float* alpha, const 
     for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[m] + c * 16, acc[m][c]);
 }
 
+// The products on AMX tiles instead (``extend_attention_tiles``), T: radixserve_amx::Amx or ::Emulated. Kt and Vt
+// are already the B operands of TDPBF16PS: a tile of 16 keys' D/2 pairs is D/32 B tiles of 16 pairs (1 KB each,
+// contiguous), and 16 consecutive pairs of keys of Vt, for 16 dimensions, one B tile at a stride of D * 4 bytes. Rows
+// go 16 at a time (a task's rows rounded up to 16: one tile configuration), queries from `qa` (rows of D), weights
+// from `pb` (rows of KB) as A tiles, scores and the output accumulators as C tiles 0-3.
+struct Vector {};  // the vdpbf16ps products above
+
+template <class T, int DP>
+void tile_scores(const uint16_t* qa, int64_t Rp, const uint32_t* kt, int nt, float* s) {
+  constexpr int D = 2 * DP;
+  for (int64_t r0 = 0; r0 < Rp; r0 += 16) {
+    for (int t = 0; t < nt; ++t) T::zero(t);
+    for (int k = 0; k < D / 32; ++k) {
+      const int a = 4 + k % 2;
+      T::load(a, qa + r0 * D + 32 * k, 2 * D);
+      for (int t = 0; t < nt; ++t) {
+        const int b = 6 + t % 2;
+        T::load(b, kt + (t * DP + 16 * k) * 16, 64);
+        T::dot(t, a, b);
+      }
+    }
+    for (int t = 0; t < nt; ++t) T::store(t, s + r0 * KB + 16 * t, KB * 4);
+  }
+}
+
+// o[r] = o[r] * alpha[r] + P[r] . V over the block's first nt tiles of keys, rounded up to pairs of tiles (32 keys):
+// the keys of a half-used pair lie after every row's position, masked to weight 0.
+template <class T, int ND>
+void tile_values(const uint16_t* pb, const float* alpha, int64_t Rp, const uint32_t* vt, int nt, float* o) {
+  constexpr int D = ND * 16;
+  for (int64_t r = 0; r < Rp; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), a));
+  }
+  const int pairs = (nt + 1) / 2;
+  for (int64_t r0 = 0; r0 < Rp; r0 += 16)
+    for (int c0 = 0; c0 < ND; c0 += 4) {
+      const int nc = std::min(4, ND - c0);
+      for (int j = 0; j < nc; ++j) T::load(j, o + r0 * D + 16 * (c0 + j), D * 4);
+      for (int kp = 0; kp < pairs; ++kp) {
+        const int a = 4 + kp % 2;
+        T::load(a, pb + r0 * KB + 32 * kp, KB * 2);
+        for (int j = 0; j < nc; ++j) {
+          const int b = 6 + j % 2;
+          T::load(b, vt + (16 * kp * ND + c0 + j) * 16, ND * 64);
+          T::dot(j, a, b);
+        }
+      }
+      for (int j = 0; j < nc; ++j) T::store(j, o + r0 * D + 16 * (c0 + j), D * 4);
+    }
+}
+
 // 2^x for x <= 0 (-inf included: 0): x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 6 in f ln2
 // (truncation error < 2e-7, about float32's rounding), times 2^n by scalef.
 inline __m512 exp2v(__m512 x) {
@@ -145,8 +199,9 @@ inline __m512 exp2v(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Phase 2 for one task: rows r = i * GS + g (query position i of the block, head g0 + g of the KV head's group).
-template <int ND>
+// Phase 2 for one task: rows r = i * GS + g (query position i of the block, head g0 + g of the KV head's group);
+// P: Vector, or a tile type for the products on tiles.
+template <int ND, class P>
 void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0, int64_t GS, const Seq& sq,
                   int64_t i0, int64_t window, float scale, const uint32_t* kt, const uint32_t* vt, uint16_t* out) {
   constexpr int D = ND * 16, DP = D / 2;
@@ -155,7 +210,8 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
   constexpr int RMAX = QB * MAX_GS;
   const int64_t n_pos = std::min(QB, sq.q_len - i0);
   const int64_t R = n_pos * GS;
-  const int64_t Rp = (R + 3) / 4 * 4;  // a multiple of MRS and MRV (both divide 4)
+  constexpr bool TILES = !std::is_same_v<P, Vector>;
+  const int64_t Rp = TILES ? (R + 15) / 16 * 16 : (R + 3) / 4 * 4;  // a multiple of MRS and MRV (or of 16)
   alignas(64) static thread_local float s[RMAX * KB];
   alignas(64) static thread_local uint16_t pb[RMAX * KB];
   alignas(64) static thread_local float o[RMAX * D];
@@ -181,6 +237,13 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
     std::fill(l_run + r * 16, l_run + r * 16 + 16, 0.0f);
     std::memset(o + r * D, 0, D * sizeof(float));
   }
+  alignas(64) static thread_local uint16_t qa[TILES ? RMAX * D : 1];  // the rows' queries, one after another
+  if constexpr (TILES) {
+    for (int64_t r = 0; r < Rp; ++r) std::memcpy(qa + r * D, qrows[r], D * sizeof(uint16_t));
+    radixserve_amx::Shape shape{};
+    for (int t = 0; t < 8; ++t) shape.rows[t] = 16, shape.colsb[t] = 64;
+    P::configure(shape);
+  }
   const int64_t last = first_pos + i0 + n_pos - 1;  // the block's last query position
   const int64_t kb_end = last / KB + 1;
   const int64_t kb_begin = window > 0 ? std::max<int64_t>(0, first_pos + i0 - window + 1) / KB : 0;
@@ -194,12 +257,16 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
     const uint32_t* vtb = vt + kb * KB * D / 2;
     // Tiles of 16 keys wholly after the block's last query are neither scored nor summed (the mask drops them).
     const int nt = static_cast<int>(std::min<int64_t>(4, (last - kb * KB) / 16 + 1));
-    for (int64_t r = 0; r < Rp; r += MRS) {
-      switch (nt) {
-        case 1: block_scores<DP, MRS, 1>(qrows + r, ktb, s + r * KB); break;
-        case 2: block_scores<DP, MRS, 2>(qrows + r, ktb, s + r * KB); break;
-        case 3: block_scores<DP, MRS, 3>(qrows + r, ktb, s + r * KB); break;
-        default: block_scores<DP, MRS, 4>(qrows + r, ktb, s + r * KB); break;
+    if constexpr (TILES) {
+      tile_scores<P, DP>(qa, Rp, ktb, nt, s);
+    } else {
+      for (int64_t r = 0; r < Rp; r += MRS) {
+        switch (nt) {
+          case 1: block_scores<DP, MRS, 1>(qrows + r, ktb, s + r * KB); break;
+          case 2: block_scores<DP, MRS, 2>(qrows + r, ktb, s + r * KB); break;
+          case 3: block_scores<DP, MRS, 3>(qrows + r, ktb, s + r * KB); break;
+          default: block_scores<DP, MRS, 4>(qrows + r, ktb, s + r * KB); break;
+        }
       }
     }
     // A block needs a mask where some key of it lies after a row's position or before its window.
@@ -248,6 +315,10 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
       float* lr = l_run + r * 16;
       _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r]), sum));
     }
+    if constexpr (TILES) {
+      tile_values<P, ND>(pb, alpha, Rp, vtb, nt, o);
+      continue;
+    }
     for (int64_t r = 0; r < Rp; r += MRV) {
       const uint32_t* prow[MRV];
       float* orow[MRV];
@@ -258,6 +329,7 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
       block_values<ND, MRV>(prow, alpha + r, vtb, orow, nt * 8);
     }
   }
+  if constexpr (TILES) P::release();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t i = i0 + r / GS, g = g0 + r % GS;
     bf16* dst = reinterpret_cast<bf16*>(out + ((sq.q_start + i) * H + h * G + g) * D);
@@ -266,7 +338,7 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
   }
 }
 
-template <int ND>
+template <int ND, class P>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, const std::vector<Seq>& seqs,
          int64_t packed_keys, int64_t window, float scale, torch::Tensor& out) {
   constexpr int64_t D = ND * 16;
@@ -310,10 +382,20 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       const auto [b, h, qb, g0] = tasks[t];
       const Seq& sq = seqs[b];
       const int64_t base = (h * packed_keys + sq.pack_off) * D / 2;
-      attend_block<ND>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt + base,
+      attend_block<ND, P>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt + base,
                        vt + base, op);
     }
   });
+}
+template <class P>
+void dispatch(int64_t D, const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots,
+              const std::vector<Seq>& seqs, int64_t packed_keys, int64_t window, float scale, torch::Tensor& out) {
+  switch (D) {
+    case 64: run<4, P>(q, kv, slots, seqs, packed_keys, window, scale, out); break;
+    case 96: run<6, P>(q, kv, slots, seqs, packed_keys, window, scale, out); break;
+    case 128: run<8, P>(q, kv, slots, seqs, packed_keys, window, scale, out); break;
+    default: run<16, P>(q, kv, slots, seqs, packed_keys, window, scale, out); break;
+  }
 }
 #else
 constexpr bool kFast = false;
@@ -323,9 +405,14 @@ constexpr bool kFast = false;
 
 bool available() { return kFast; }
 
-torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
-                               double scale, int64_t window) {
+// How the products run: vdpbf16ps, AMX tiles, or tiles emulated in memory (tests).
+enum class Products { kVector, kTiles, kEmulated };
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& slots,
+                        const torch::Tensor& seqs, double scale, int64_t window, Products products) {
   TORCH_CHECK(kFast, "extend_attention: built without AVX-512 BF16");
+  TORCH_CHECK(products != Products::kTiles || (radixserve_amx::AVAILABLE && radixserve_amx::enable()),
+              "extend_attention: AMX tiles are not usable here");
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && slots.dim() == 1 && seqs.dim() == 2 && seqs.size(1) == 4,
               "extend_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && kv.scalar_type() == torch::kBFloat16, "extend_attention: bfloat16");
@@ -354,14 +441,27 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor 
     packed += (kl + KB - 1) / KB * KB;
   }
   const float sc = static_cast<float>(scale);
-  switch (D) {
-    case 64: run<4>(q, kv, sp, list, packed, window, sc, out); break;
-    case 96: run<6>(q, kv, sp, list, packed, window, sc, out); break;
-    case 128: run<8>(q, kv, sp, list, packed, window, sc, out); break;
-    default: run<16>(q, kv, sp, list, packed, window, sc, out); break;
+  if (products == Products::kVector) {
+    dispatch<Vector>(D, q, kv, sp, list, packed, window, sc, out);
+  } else if (products == Products::kEmulated) {
+    dispatch<radixserve_amx::Emulated>(D, q, kv, sp, list, packed, window, sc, out);
+  } else {
+#ifdef RADIXSERVE_AMX
+    dispatch<radixserve_amx::Amx>(D, q, kv, sp, list, packed, window, sc, out);
+#endif
   }
 #endif
   return out;
+}
+
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
+                               double scale, int64_t window) {
+  return attention(q, kv, slots, seqs, scale, window, Products::kVector);
+}
+
+torch::Tensor extend_attention_tiles(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor seqs,
+                                     double scale, int64_t window, bool emulated) {
+  return attention(q, kv, slots, seqs, scale, window, emulated ? Products::kEmulated : Products::kTiles);
 }
 
 }  // namespace radixserve_extend_attention
@@ -372,4 +472,9 @@ void register_extend_attention(pybind11::module_& parent) {
   m.def("extend_attention", &radixserve_extend_attention::extend_attention,
         "causal prefill attention over pool slots (bfloat16, CPU with AVX-512 BF16)",
         py::call_guard<py::gil_scoped_release>());
+  m.attr("tiles_available") = radixserve_amx::AVAILABLE;
+  m.def("extend_attention_tiles", &radixserve_extend_attention::extend_attention_tiles,
+        "extend_attention with its products on AMX tiles (emulated: in memory, slowly; tests)", py::arg("q"),
+        py::arg("kv"), py::arg("slots"), py::arg("seqs"), py::arg("scale"), py::arg("window"),
+        py::arg("emulated") = false, py::call_guard<py::gil_scoped_release>());
 }
