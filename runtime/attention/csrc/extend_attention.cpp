@@ -18,6 +18,9 @@
 //      block's last query, or wholly before its first query's window, are skipped, and so are the tiles of 16 keys
 //      of the last block that lie after it: SmolLM2's heads, one 600-token prompt, 2 cores of the Zen 4: 257 ->
 //      ~330 GFLOP/s over the kernel before these three (``bench/extend_attention.py``).
+// ``extend_attention_tiles`` runs the same two phases with the scores and the weighted values on AMX tiles
+// (``tile_scores``, ``tile_values``; csrc/amx_tiles.h, or its emulation in tests): Kt and Vt are already the tiles'
+// B operands. The softmax between them is the same code.
 //
 // Layouts (contiguous): q [T, H, D] bfloat16 (query head i uses KV head i / (H / Hkv)); kv [2, Hkv, N, D]
 // bfloat16 (one layer of the pool); slots int64, every sequence's kv_len slots one after another; seqs [B, 4]
