@@ -3,11 +3,11 @@
 //
 // The interface (static functions of ``Amx`` and ``Emulated``): ``configure(Shape)`` (LDTILECFG, palette 1: rows and
 // bytes per row of tiles 0-7; it zeroes every tile), ``zero(t)`` and ``store(t, p, stride)`` of a C tile,
-// ``load(t, p, stride)`` of any (a tile's rows, `stride` bytes apart), ``dot(c, a, b)`` (TDPBF16PS: float32 C[m][n] += A[m][2p] B[p][2n] +
-// A[m][2p + 1] B[p][2n + 1] over the pairs p, A and B bfloat16) and ``release()``. The kernels use C tiles 0-3,
-// A tiles 4-5 and B tiles 6-7. ``Emulated`` checks the shapes as the instruction does (C rows = A rows, C bytes =
-// B bytes, A bytes = 4 x B rows): a kernel that runs emulated runs on the tile units, up to the order of float32 sums
-// (the instruction also flushes denormals).
+// ``load(t, p, stride)`` of any (a tile's rows, `stride` bytes apart), ``dot(c, a, b)`` (TDPBF16PS: float32
+// C[m][n] += A[m][2p] B[p][2n] + A[m][2p + 1] B[p][2n + 1] over the pairs p, A and B bfloat16) and ``release()``.
+// The kernels use C tiles 0-3, A tiles 4-5 and B tiles 6-7. ``Emulated`` checks the shapes as the instruction does
+// (C rows = A rows, C bytes = B bytes, A bytes = 4 x B rows): a kernel that runs emulated runs on the tile units, up
+// to the order of float32 sums (the instruction also flushes denormals).
 // The process must be allowed AMX state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, process-wide): ``enable`` asks once.
 #pragma once
 

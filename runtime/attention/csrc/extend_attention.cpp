@@ -165,7 +165,8 @@ void tile_values(const uint16_t* pb, const float* alpha, int64_t Rp, const uint3
   constexpr int D = ND * 16;
   for (int64_t r = 0; r < Rp; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + r * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), a));
+    float* row = o + r * D;
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * c), a));
   }
   const int pairs = (nt + 1) / 2;
   for (int64_t r0 = 0; r0 < Rp; r0 += 16)
@@ -386,10 +387,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
       const Seq& sq = seqs[b];
       const int64_t base = (h * packed_keys + sq.pack_off) * D / 2;
       attend_block<ND, P>(qp, H, G, h, g0, std::min(MAX_GS, G - g0), sq, qb * QB, window, scale, kt + base,
-                       vt + base, op);
+                          vt + base, op);
     }
   });
 }
+
+// run for head size D, the products by P (Vector, or a tile type).
 template <class P>
 void dispatch(int64_t D, const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots,
               const std::vector<Seq>& seqs, int64_t packed_keys, int64_t window, float scale, torch::Tensor& out) {

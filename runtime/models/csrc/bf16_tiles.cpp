@@ -20,8 +20,8 @@
 //
 // The tiling is written once over the tile interface of csrc/amx_tiles.h (``Amx``: the instructions; ``Emulated``:
 // the same eight tiles in memory, scalar, shapes checked as TDPBF16PS checks them) so that a CPU without AMX tests it
-// against F.linear: ``emulated`` runs it (slowly; tests only). bf16_packed's ``linear`` and ``linear_silu_mul`` come here
-// from ``from_rows`` rows on, set once by bf16_kernels from what bf16_layout measured (never, by default).
+// against F.linear: ``emulated`` runs it (slowly; tests only). bf16_packed's ``linear`` and ``linear_silu_mul`` come
+// here from ``from_rows`` rows on, set once by bf16_kernels from what bf16_layout measured (never, by default).
 // Layouts: x [M, K] bfloat16 contiguous, K % 32 == 0; packed [N / 16, 16 K] (bf16_packed.pack); bias [N] or empty.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
