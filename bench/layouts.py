@@ -3,11 +3,11 @@
 On a CPU with AMX the engine times, once per machine, which layout serves bfloat16 weights
 (``runtime/models/bf16_layout.py``: radixserve's pairs of K or oneDNN's packed layout, and from how many rows a
 product over the pairs runs on the AMX tiles or unpacks for oneDNN's GEMM) and which prefill attention serves
-bfloat16 (``runtime/attention/cpu_kernels.py``: the compiled kernel or SDPA), and keeps what it found beside the
-compiled kernels. Without AMX it measures neither (the pairs and the kernel serve; there are no tiles to time). This
-script runs the same timings, as the engine would, on a thread of its own with every intra-op thread, ``--rounds``
-times, and prints each run's figures and what the engine would choose from them, so that the choice can be checked
-(and its noise seen) on any machine:
+bfloat16 (``runtime/attention/cpu_kernels.py``: the compiled kernel, on vdpbf16ps or on AMX tiles, or SDPA), and
+keeps what it found beside the compiled kernels. Without AMX it measures neither (the pairs and the kernel serve;
+there are no tiles to time). This script runs the same timings, as the engine would, on a thread of its own with
+every intra-op thread, ``--rounds`` times, and prints each run's figures and what the engine would choose from
+them, so that the choice can be checked (and its noise seen) on any machine:
 
     python -m bench.layouts
     python -m bench.layouts --rounds 3 --threads 2
