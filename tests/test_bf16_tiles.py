@@ -31,14 +31,14 @@ def test_the_tiling_agrees_with_f_linear() -> None:
     """Units of two blocks and of one, chunks of 1-45 rows (one tile of rows, two, a partial second), a bias or none,
     gated to the bit; and x in two passes (more than ~1 MB of it: K = 2,048, 300 rows). The check that a start runs
     on the real tiles fails a product that is wrong in one unit."""
-    assert bf16_kernels.tiles_agree(_emulated)
+    assert bf16_kernels.agrees_with_f_linear(packed_ops(), _emulated)
 
     def off_in_one_unit(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, gated: bool) -> torch.Tensor:
         y = _emulated(x, packed, bias, gated)
         y[:, 160:] *= 1.5  # the last unit: one block
         return y
 
-    assert not bf16_kernels.tiles_agree(off_in_one_unit)
+    assert not bf16_kernels.agrees_with_f_linear(packed_ops(), off_in_one_unit)
     gen = torch.Generator().manual_seed(2)
     w, b = torch.randn(48, 2048, generator=gen).to(torch.bfloat16), torch.randn(48, generator=gen).to(torch.bfloat16)
     x = torch.randn(300, 2048, generator=gen).to(torch.bfloat16)

@@ -92,47 +92,43 @@ def packed_ops():  # noqa: ANN202 - the compiled module or None
     ops = getattr(kernels, "bf16_packed", None)
     if ops is None or not ops.available:
         return None
-    gen = torch.Generator().manual_seed(0)
-    w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((176, 64), (176,)))
-    packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])  # 11 blocks: runs of 6, 4 and 1 (one thread)
-    gate_up = ops.pack([w[:80].contiguous(), w[80:160].contiguous()])  # 5 blocks each: gated runs of 3 and 2
-    ok = True
-    with torch.inference_mode():
-        for rows in (1, 3, 13, 70):  # tiles of 8, 6, 4, 2 and 1 rows; prefetching
-            x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
-            want = F.linear(x.float(), w.float(), b.float())
-            tol = 1e-2 * float(want.abs().max())
-            ok &= torch.allclose(ops.linear(x, packed, b).float(), want, rtol=1e-2, atol=tol)
-            ok &= torch.allclose(ops.linear(x, packed[6:9], b[96:144]).float(), want[:, 96:144], rtol=1e-2, atol=tol)
-            gated = kernels.fused_ops.silu_mul(ops.linear(x, gate_up, b[:160]))
-            ok &= torch.equal(ops.linear_silu_mul(x, gate_up, b[:160]), gated)
-    if not ok:
+    if not agrees_with_f_linear(ops, _product_of(ops)):
         logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
         return None
     return ops
 
 
-def tiles_agree(product) -> bool:  # noqa: ANN001 - product(x, packed, bias, gated) -> y
-    """Whether ``product`` (``csrc/bf16_tiles.cpp``'s, real or emulated) agrees with ``F.linear`` over weights packed
-    in pairs: 11 blocks (units of two and one), K of two tiles, chunks of one half, two halves and a partial second
-    half, a bias or none; gated over [gate; up] of 5 blocks each, to the bit what ``silu_mul`` gives over its
-    ``linear``."""
+def _product_of(module):  # noqa: ANN001, ANN202 - a compiled module with linear / linear_silu_mul over the pairs
+    def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, gated: bool) -> torch.Tensor:
+        return (module.linear_silu_mul if gated else module.linear)(x, packed, bias)
+
+    return product
+
+
+def agrees_with_f_linear(ops, product) -> bool:  # noqa: ANN001 - bf16_packed's module; product(x, packed, bias, gated)
+    """Whether ``product`` over weights packed in pairs (``ops.pack``) agrees with ``F.linear``: 11 blocks (runs of 6,
+    4 and 1 for the pairs' kernel; units of two and one for the tiles) and a slice of 3 of them, K of two tiles, rows
+    that take every tile shape of both kernels (and prefetching), a bias or none; gated over [gate; up] of 5 blocks
+    each (runs of 3 and 2), to the bit what ``silu_mul`` gives over its plain product."""
     from radixserve.runtime.cpu_ext import load_kernels
 
-    ops, silu_mul = packed_ops(), load_kernels().fused_ops.silu_mul
-    gen = torch.Generator().manual_seed(1)
+    silu_mul = load_kernels().fused_ops.silu_mul
+    gen = torch.Generator().manual_seed(0)
     w, b = (torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((176, 64), (176,)))
     packed = ops.pack([w[:16].contiguous(), w[16:].contiguous()])
     gate_up = ops.pack([w[:80].contiguous(), w[80:160].contiguous()])
     none = torch.empty(0, dtype=torch.bfloat16)
     ok = True
     with torch.inference_mode():
-        for rows in (1, 13, 16, 17, 45):
+        for rows in (1, 3, 13, 16, 17, 45, 70):
             x = torch.randn((rows, 64), generator=gen).to(torch.bfloat16)
             for bias in (b, none):
                 want = F.linear(x.float(), w.float(), bias.float() if bias.numel() else None)
                 tol = 1e-2 * float(want.abs().max())
                 ok &= torch.allclose(product(x, packed, bias, False).float(), want, rtol=1e-2, atol=tol)
+                if bias.numel():
+                    part = product(x, packed[6:9], b[96:144], False).float()
+                    ok &= torch.allclose(part, want[:, 96:144], rtol=1e-2, atol=tol)
             gated = silu_mul(product(x, gate_up, b[:160], False))
             ok &= torch.equal(product(x, gate_up, b[:160], True), gated)
     return bool(ok)
@@ -141,8 +137,8 @@ def tiles_agree(product) -> bool:  # noqa: ANN001 - product(x, packed, bias, gat
 @functools.cache
 def tiles_ops():  # noqa: ANN202 - the compiled module or None
     """``csrc/bf16_tiles.cpp`` where the CPU has AMX, the kernels were built for it, Linux lets this process use the
-    tiles and their product agrees with ``F.linear`` (``tiles_agree``): the products over weights packed in pairs
-    that ``bf16_layout`` measured faster on the tiles run there."""
+    tiles and their product agrees with ``F.linear`` (``agrees_with_f_linear``): the products over weights packed in
+    pairs that ``bf16_layout`` measured faster on the tiles run there."""
     if packed_ops() is None or "amx_bf16" not in native_bf16():
         return None
     from radixserve.runtime.cpu_ext import load_kernels
@@ -150,11 +146,7 @@ def tiles_ops():  # noqa: ANN202 - the compiled module or None
     tiles = getattr(load_kernels(), "bf16_tiles", None)
     if tiles is None or not tiles.available or not tiles.enable():
         return None
-
-    def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, gated: bool) -> torch.Tensor:
-        return (tiles.linear_silu_mul if gated else tiles.linear)(x, packed, bias)
-
-    if not tiles_agree(product):
+    if not agrees_with_f_linear(packed_ops(), _product_of(tiles)):
         logger.warning("AMX tile product disagrees with F.linear on this machine; not using it")
         return None
     return tiles

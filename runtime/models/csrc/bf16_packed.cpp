@@ -133,8 +133,9 @@ inline int64_t tiles(int64_t M, int64_t NB) {
 // of 6, shorter ones tiles of 8. 4 x 6 against 6 x 4: 1.04-1.15x a layer of SmolLM2's and the 1B shapes at 1 to
 // 2,048 rows (2-core Zen 4); a broadcast costs more than a weight load there (a register-only loop of vdpbf16ps runs
 // at 230 GFLOP/s a core, 6 x 4 tiles at 208 over cached weights, 4 x 6 at 212; with the broadcast folded into the
-// product as a {1to16} operand, 98). `part`: M rows of 16 NB floats, the sums between slices. GATED: n counts gate blocks, the run is NB/2
-// gate blocks from n and their up blocks from n + G (G = N / 32 gate blocks), y's rows hold N / 2.
+// product as a {1to16} operand, 98). `part`: M rows of 16 NB floats, the sums between slices. GATED: n counts gate
+// blocks, the run is NB/2 gate blocks from n and their up blocks from n + G (G = N / 32 gate blocks), y's rows hold
+// N / 2.
 template <int NB, bool GATED>
 void rows(const bf16* x, int64_t M, int64_t K, const Slice& s, const bf16* packed, int64_t n, bf16* y, int64_t N,
           const float* bias, int64_t ahead, float* part) {
@@ -243,7 +244,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   radixserve_balanced::balanced_for(chunks * units, run, [&](int64_t begin, int64_t end, int64_t limit) {
     // The sums between slices: a thread's buffer outlives its claims (a claim is one run; up to ~0.5 MB each).
     thread_local std::vector<float> part;
-    if (slices > 1 && part.size() < static_cast<size_t>(chunk * 96)) part.resize(static_cast<size_t>(chunk * 96));  // 16 x 6
+    const size_t need = static_cast<size_t>(chunk * 16 * 6);  // a chunk's rows of a full run's 6 blocks
+    if (slices > 1 && part.size() < need) part.resize(need);
     for (int64_t t = begin; t < end;) {
       const int64_t c = t / units, b0 = t % units, b1 = std::min(units, b0 + end - t);
       const int64_t m0 = c * chunk, mc = std::min(chunk, M - m0);
