@@ -1,4 +1,4 @@
-"""llama.cpp as a benchmark peer: an F32 GGUF of our model, its server as a subprocess, and a streaming client.
+"""llama.cpp as a benchmark peer: a plain GGUF of our model, its server as a subprocess, and a streaming client.
 
 An optional benchmark dependency. Two servers are supported, found in this order:
 
@@ -9,9 +9,9 @@ An optional benchmark dependency. Two servers are supported, found in this order
 * ``python -m llama_cpp.server`` (``pip install 'llama-cpp-python[server]'``): the same kernels, but one
   request at a time (no parallel slots), so its numbers are a lower bound for llama.cpp.
 
-The model is served from an F32 GGUF made by dequantizing the GGUF our model was converted from (the
-built-in model ships as Q4_1; our engine runs the float32 dequantization of the same weights), so both
-systems compute with identical weights. Only loopback (127.0.0.1) is used.
+The model is served from an F32 (or BF16) GGUF made by dequantizing the GGUF our model was converted from (the
+built-in model ships as Q4_1; our engine at ``--quantization none`` runs the dequantization of the same weights),
+so both systems compute with identical weights. Only loopback (127.0.0.1) is used.
 """
 
 from __future__ import annotations
@@ -61,12 +61,21 @@ def source_gguf(model: str) -> Path | None:
     return Path(tmp)
 
 
-def dequantize_to_f32(src: Path, dest: Path) -> None:
-    """Write ``dest``: ``src`` with every tensor dequantized to F32 and its metadata copied unchanged."""
+# The plain types a GGUF's weights can be written in for the peer: F32 (what radixserve computes in at --dtype
+# float32) or BF16 (the weights bfloat16 engines serve; as llama.cpp's own `convert_hf_to_gguf --outtype bf16`
+# does, 1-D tensors, the norms, stay F32).
+PLAIN_TYPES = ("f32", "bf16")
+
+
+def dequantize_gguf(src: Path, dest: Path, kind: str = "f32") -> None:
+    """Write ``dest``: ``src`` with every tensor dequantized to ``kind`` (``PLAIN_TYPES``; BF16 for matrices
+    only) and its metadata copied unchanged."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
+    if kind not in PLAIN_TYPES:
+        raise ValueError(f"GGUF type {kind!r}: expected one of {', '.join(PLAIN_TYPES)}")
     reader = GGUFReader(str(src))
     arch = reader.fields[Keys.General.ARCHITECTURE].contents()
     writer = GGUFWriter(str(dest), arch=arch)
@@ -74,37 +83,42 @@ def dequantize_to_f32(src: Path, dest: Path) -> None:
         if f.name == Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself
         if f.name == Keys.General.FILE_TYPE:
-            writer.add_file_type(LlamaFileType.ALL_F32)
+            writer.add_file_type(LlamaFileType.ALL_F32 if kind == "f32" else LlamaFileType.MOSTLY_BF16)
             continue
         vtype = f.types[0]
         sub_type = f.types[-1] if vtype == GGUFValueType.ARRAY else None
         writer.add_key_value(f.name, f.contents(), vtype, sub_type=sub_type)
     for t in reader.tensors:
         data = t.data if t.tensor_type == GGMLQuantizationType.F32 else dequantize(t.data, t.tensor_type)
-        writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if kind == "bf16" and data.ndim >= 2:
+            writer.add_tensor(t.name, quantize(data, GGMLQuantizationType.BF16), raw_dtype=GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def f32_gguf(model: str) -> Path | None:
-    """An F32 GGUF of ``model``, made once and cached next to radixserve's converted models; None if impossible."""
+def plain_gguf(model: str, kind: str = "f32") -> Path | None:
+    """A GGUF of ``model`` with its weights in ``kind`` (``PLAIN_TYPES``), made once and cached next to
+    radixserve's converted models; None if impossible."""
     src = source_gguf(model)
     if src is None:
         return None
     is_temp = src.name.startswith("radixserve-src-")
     try:
         name = BUILTIN_MODELS[model.strip().lower()].name if is_temp else gguf_cache_key(src)
-        target = envs.cache_dir() / "gguf" / f"{name}-f32.gguf"
+        target = envs.cache_dir() / "gguf" / f"{name}-{kind}.gguf"
         if target.is_file():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".gguf", prefix=f".tmp-{name}~", dir=target.parent)
         os.close(fd)
         try:
-            print(f"converting {src.name} to an F32 GGUF (once) ...", file=sys.stderr, flush=True)
-            dequantize_to_f32(src, Path(tmp))
+            print(f"converting {src.name} to a {kind.upper()} GGUF (once) ...", file=sys.stderr, flush=True)
+            dequantize_gguf(src, Path(tmp), kind)
             os.replace(tmp, target)
         finally:
             Path(tmp).unlink(missing_ok=True)

@@ -7,8 +7,10 @@ fresh and warmed up with one request.
 
 Workloads (``bench/peer_workloads.py``): 48 requests sharing a ~1,300-token system prompt (32 tokens out, 16
 clients); 48 distinct ~600-token prompts (64 out, 16 clients); 8 conversations x 4 turns (48 a turn); one user
-(128 out). Printed per engine and workload: wall time, output tok/s, TTFT p50/p90, one-user decode tok/s, cached
-prompt tokens; then radixserve's ratio to each peer (throughput: higher is better; TTFT: ours / theirs).
+(128 out). llama-server serves the model's GGUF dequantized to BF16 (``--gguf-type``; ``--gguf`` names another
+file), the weights vLLM serves from the bfloat16 folder. Printed per engine and workload: wall time, output
+tok/s, TTFT p50/p90, one-user decode tok/s, cached prompt tokens; then radixserve's ratio to each peer
+(throughput: higher is better; TTFT: ours / theirs).
 """
 
 from __future__ import annotations
@@ -153,7 +155,14 @@ def summary(rounds: list[dict[str, dict[str, Result]]], workloads: list[Workload
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or HF folder (radixserve, vLLM)")
-    p.add_argument("--gguf", default="", help="GGUF for llama-server (default: the F32 GGUF of the built-in model)")
+    p.add_argument("--gguf", default="", help="GGUF for llama-server (default: the model's, in --gguf-type)")
+    p.add_argument(
+        "--gguf-type",
+        default="bf16",
+        choices=llama.PLAIN_TYPES,
+        help="llama-server's weights when --gguf is not given: the model's GGUF dequantized to this, "
+        "written once (bf16: the weights vLLM and radixserve's bfloat16 serve)",
+    )
     p.add_argument("--engines", default="radixserve,vllm,llama-server")
     p.add_argument("--workloads", default="shared,distinct,multiturn,single", help=f"of {','.join(WORKLOADS)}")
     p.add_argument("--radixserve-args", default="", help="extra flags for `radixserve serve`")
@@ -189,7 +198,7 @@ def bench_round(args: argparse.Namespace, folder: Path, workloads: list[Workload
         elif engine == "vllm":
             server = vllm(safetensors_folder(folder), args.vllm_args)
         elif engine == "llama-server":
-            gguf = Path(args.gguf) if args.gguf else llama.f32_gguf(args.model)
+            gguf = Path(args.gguf) if args.gguf else llama.plain_gguf(args.model, args.gguf_type)
             if gguf is None:
                 print("llama-server: no GGUF of this model; pass --gguf", file=sys.stderr)
                 continue

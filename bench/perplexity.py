@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows.append([f"radixserve, float32 of the blocks, {label}", ours(args.model, "none", ids)])
     if not args.skip_llama:
         rows.append(["llama-perplexity, the file", theirs(gguf, args.text, args.ctx, len(pieces))])
-        f32 = llama.f32_gguf(args.model)
+        f32 = llama.plain_gguf(args.model)
         if f32 is not None:
             rows.append(["llama-perplexity, its F32", theirs(f32, args.text, args.ctx, len(pieces))])
     print(f"# perplexity, {args.text.name}: {len(tokens)} tokens, {len(pieces)} chunks of {args.ctx}, {args.model}")

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows.append(["radixserve blocks vs its float32", *agreement(q, f)])
     if not args.skip_llama:
         quantized = folder / "model.gguf"
-        f32 = llama.f32_gguf(args.model)
+        f32 = llama.plain_gguf(args.model)
         if f32 is not None:
             lq, lf = theirs(quantized, ids, args.tokens), theirs(f32, ids, args.tokens)
             rows.append(["llama-server quantized vs its F32", *agreement(lq, lf)])

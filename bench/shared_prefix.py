@@ -363,7 +363,7 @@ def prepare_llamacpp(args: argparse.Namespace) -> tuple[tuple[peer.ServerKind, P
     kind, note = peer.find_server(args.llamacpp_server)
     if kind is None:
         return None, note
-    gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else peer.f32_gguf(args.model)
+    gguf = Path(args.llamacpp_gguf) if args.llamacpp_gguf else peer.plain_gguf(args.model)
     if gguf is None:
         return None, f"llama.cpp skipped: no GGUF for {args.model}; pass --llamacpp-gguf"
     route = {"native": "/completion", "openai": "/v1/completions"}[args.llamacpp_api] if kind.native else "text prompts"
