@@ -36,7 +36,7 @@ class ScheduledChunk:
 
     @property
     def tokens(self) -> list[int]:
-        return self.req.all_ids[self.start : self.end] + list(self.draft)
+        return self.req.ids(self.start, self.end) + list(self.draft)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ class ModelRunner:
         rows = []
         for chunk in plan.chunks:
             e = chunk.start + chunk.num_tokens  # past any draft tokens, whose slots follow in req.slots
-            rows.append(StepRow(chunk.tokens, chunk.start, chunk.req.slots[:e], chunk.is_decode))
+            slots = chunk.req.slots  # read, not kept, by lay_out: a copy only where slots past e must go
+            rows.append(StepRow(chunk.tokens, chunk.start, slots if len(slots) == e else slots[:e], chunk.is_decode))
         return lay_out(rows, self.device, [c.shared_prefix for c in plan.chunks])
 
     def run(self, plan: BatchPlan) -> StepResult:
