@@ -87,9 +87,20 @@ def multi_turn(tokenizer: Any, conversations: int = 8, turns: int = 4, output_le
     return Workload("multi-turn", tuple(sessions), output_len, clients=conversations)
 
 
+ONE_USER_PROMPTS = (
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Write a long story about a clockmaker whose clocks begin to run backwards.",
+    "Write a long story about two rival bakers in a small mountain town.",
+    "Write a long story about a cartographer who maps a city that keeps changing.",
+    "Write a long story about a retired astronaut who tends an orchard.",
+)
+
+
 def one_user(tokenizer: Any, output_len: int = 128) -> Workload:
-    prompt = _text_ids(tokenizer, "Write a long story about a lighthouse keeper who finds a message in a bottle.")
-    return Workload("one user", ((tuple(prompt),),), output_len, clients=1)
+    """One client sending its requests one after another, each its own prompt: the decode rate of a single stream,
+    the median over the requests (a single 128-token request varied ~15% between rounds on a shared machine)."""
+    sessions = tuple((tuple(_text_ids(tokenizer, p)),) for p in ONE_USER_PROMPTS)
+    return Workload("one user", sessions, output_len, clients=1)
 
 
 def sixteen_users(tokenizer: Any, n: int = 16, prompt_tokens: int = 64, output_len: int = 64) -> Workload:

@@ -7,10 +7,10 @@ fresh and warmed up with one request.
 
 Workloads (``bench/peer_workloads.py``): 48 requests sharing a ~1,300-token system prompt (32 tokens out, 16
 clients); 48 distinct ~600-token prompts (64 out, 16 clients); 8 conversations x 4 turns (48 a turn); one user
-(128 out). llama-server serves the model's GGUF dequantized to BF16 (``--gguf-type``; ``--gguf`` names another
-file), the weights vLLM serves from the bfloat16 folder. Printed per engine and workload: wall time, output
-tok/s, TTFT p50/p90, one-user decode tok/s, cached prompt tokens; then radixserve's ratio to each peer
-(throughput: higher is better; TTFT: ours / theirs).
+(5 requests in turn, 128 out each). llama-server serves the model's GGUF dequantized to BF16 (``--gguf-type``;
+``--gguf`` names another file), the weights vLLM serves from the bfloat16 folder. Printed per engine and workload:
+wall time, output tok/s, TTFT p50/p90, one-user decode tok/s, cached prompt tokens; then radixserve's ratio to
+each peer (throughput: higher is better; TTFT: ours / theirs).
 """
 
 from __future__ import annotations
