@@ -88,9 +88,16 @@ struct Slice {
 template <int MR, int NB, bool GATED>
 inline void tile(const bf16* x, int64_t K, const bf16* const* w, const Slice& s, bf16* y, int64_t ldy,
                  const float* const* bias, float* part, Prefetch<GATED ? 2 : 1>& pf) {
+  // Two loops, not one with `s.first ? zero : load` per accumulator: GCC 12 built that select as a memset of the
+  // array on the stack and a reload of every accumulator from it, on every tile (1.6% of a decode step's time).
   __m512 acc[MR * NB];
-  for (int i = 0; i < MR * NB; ++i)
-    acc[i] = s.first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (i / NB) * 16 * NB + 16 * (i % NB));
+  if (s.first) {
+#pragma GCC unroll 64
+    for (int i = 0; i < MR * NB; ++i) acc[i] = _mm512_setzero_ps();
+  } else {
+#pragma GCC unroll 64
+    for (int i = 0; i < MR * NB; ++i) acc[i] = _mm512_loadu_ps(part + (i / NB) * 16 * NB + 16 * (i % NB));
+  }
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);
   for (int64_t p = s.p0; p < s.p0 + s.np; ++p) {
     pf.step();
