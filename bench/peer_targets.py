@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from bench import llamacpp_peer as llama
 from bench import peers, real_models
 from bench.common import format_table
 from bench.peer_workloads import WORKLOADS
-from bench.startup import time_to_ready
+from bench.startup import radixserve_argv, start_times
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.weights import load_tokenizer
 
@@ -100,13 +98,7 @@ def cached_start(runs: int) -> list:
     """``bench.startup``'s measure of radixserve as a user starts it (no flags), ``runs`` times."""
     model = "smollm2-135m-instruct"
     resolve_model(model)  # converted once, before anything is timed
-    times = []
-    for i in range(runs + 1):  # the first start fills the caches and is not counted
-        port = llama.free_port()
-        argv = [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", model, "--port", str(port)]
-        seconds = time_to_ready(argv, port)
-        if i:
-            times.append(seconds)
+    times = start_times({"radixserve": radixserve_argv(model)}, runs)["radixserve"]
     return verdict("cached start to ready, s", f"<= {START_S:g} s", times, lambda s: s <= START_S)
 
 

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -46,6 +46,25 @@ def time_to_ready(argv: Sequence[str], port: int, timeout_s: float = 300.0) -> f
         stop_process(proc)
 
 
+def radixserve_argv(model: str, extra: str = "") -> Callable[[int], list[str]]:
+    """The command that starts radixserve on a given port."""
+    return lambda port: [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", model,
+                         "--port", str(port), *shlex.split(extra)]  # fmt: skip
+
+
+def start_times(engines: dict[str, Callable[[int], list[str]]], runs: int) -> dict[str, list[float]]:
+    """Seconds to ready of each engine, ``runs`` times, interleaved (so drift hits all alike), after one start each
+    that warms the caches up and is not counted."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for run in range(runs + 1):
+        for name, make in engines.items():
+            port = llama.free_port()
+            seconds = time_to_ready(make(port), port)
+            if run:
+                times[name].append(seconds)
+    return times
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -55,23 +74,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     folder = resolve_model(args.model)  # converted once, before anything is timed
 
-    def ours(port: int) -> list[str]:
-        return [sys.executable, "-m", "radixserve.server.cli", "serve", "--model", args.model, "--port", str(port),
-                *shlex.split(args.radixserve_args)]  # fmt: skip
-
-    engines = {"radixserve": ours}
+    engines = {"radixserve": radixserve_argv(args.model, args.radixserve_args)}
     if not args.skip_llama:
         found = subprocess.run(["bash", str(PEERS / "llama-server.sh")], capture_output=True, text=True, check=True)
         kind = llama.ServerKind("llama-server", (found.stdout.strip().splitlines()[-1],))
         gguf = folder / "model.gguf"
         engines["llama-server"] = lambda port: llama.server_argv(kind, gguf, port, os.cpu_count() or 2, 8, 4096)
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for run in range(args.runs + 1):  # interleaved, so drift hits both alike; run 0 warms caches up
-        for name, make in engines.items():
-            port = llama.free_port()
-            seconds = time_to_ready(make(port), port)
-            if run:
-                times[name].append(seconds)
+    times = start_times(engines, args.runs)
     rows = [[name, statistics.median(ts), " ".join(f"{t:.2f}" for t in ts)] for name, ts in times.items()]
     print(f"# cached start to the first 200 from /health, {args.model}, {args.runs} runs each")
     print(format_table(["server", "median s", "runs"], rows))
