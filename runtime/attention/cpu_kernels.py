@@ -173,7 +173,7 @@ def _self_check_extend(op: ExtendAttention) -> bool:
 def prefill_ops() -> dict[str, ExtendAttention]:
     """The compiled bfloat16 prefill-attention kernels that pass their check here: ``kernel`` (vdpbf16ps; none
     where the CPU lacks AVX-512 BF16, the kernels are off or cannot be built) and, with AMX, ``tiles`` (its products
-    on the tile units: ``extend_attention_tiles``)."""
+    on the tile units: ``extend_attention_tiles``; run first in a child process, ``amx_probe``)."""
     module = load_kernels()
     if module is None or not module.extend_attention.available():
         return {}
@@ -181,12 +181,22 @@ def prefill_ops() -> dict[str, ExtendAttention]:
     kernel = _checked(module.extend_attention.extend_attention, _self_check_extend, "prefill-attention", "SDPA")
     if kernel is not None:
         ops["kernel"] = kernel
-    if module.extend_attention.tiles_available and "amx_bf16" in cpu_flags():
-        tiles = functools.partial(module.extend_attention.extend_attention_tiles, emulated=False)
-        tiles = _checked(tiles, _self_check_extend, "prefill-attention AMX tile", "the other kernel or SDPA")
+    if "amx_bf16" in cpu_flags() and module.extend_attention.tiles_available:
+        from radixserve.runtime.amx_probe import tiles_survive
+
+        tiles = checked_extend_tiles(module) if tiles_survive() else None
         if tiles is not None:
             ops["tiles"] = tiles
     return ops
+
+
+def checked_extend_tiles(module) -> ExtendAttention | None:  # noqa: ANN001 - the compiled kernels
+    """The prefill-attention kernel on AMX tiles where it is built and passes its check here, without asking
+    ``amx_probe`` first (the probe's child process runs this)."""
+    if not module.extend_attention.tiles_available:
+        return None
+    tiles = functools.partial(module.extend_attention.extend_attention_tiles, emulated=False)
+    return _checked(tiles, _self_check_extend, "prefill-attention AMX tile", "the other kernel or SDPA")
 
 
 @functools.cache

@@ -92,13 +92,13 @@ def packed_ops():  # noqa: ANN202 - the compiled module or None
     ops = getattr(kernels, "bf16_packed", None)
     if ops is None or not ops.available:
         return None
-    if not agrees_with_f_linear(ops, _product_of(ops)):
+    if not agrees_with_f_linear(ops, product_of(ops)):
         logger.warning("packed bfloat16 linear kernel disagrees with F.linear on this machine; not packing")
         return None
     return ops
 
 
-def _product_of(module):  # noqa: ANN001, ANN202 - a compiled module with linear / linear_silu_mul over the pairs
+def product_of(module):  # noqa: ANN001, ANN202 - a compiled module with linear / linear_silu_mul over the pairs
     def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, gated: bool) -> torch.Tensor:
         return (module.linear_silu_mul if gated else module.linear)(x, packed, bias)
 
@@ -138,15 +138,25 @@ def agrees_with_f_linear(ops, product) -> bool:  # noqa: ANN001 - bf16_packed's 
 def tiles_ops():  # noqa: ANN202 - the compiled module or None
     """``csrc/bf16_tiles.cpp`` where the CPU has AMX, the kernels were built for it, Linux lets this process use the
     tiles and their product agrees with ``F.linear`` (``agrees_with_f_linear``): the products over weights packed in
-    pairs that ``bf16_layout`` measured faster on the tiles run there."""
+    pairs that ``bf16_layout`` measured faster on the tiles run there. The tiles run first in a child process
+    (``amx_probe``): a fault there turns them off instead of killing the engine."""
     if packed_ops() is None or "amx_bf16" not in native_bf16():
+        return None
+    from radixserve.runtime.amx_probe import tiles_survive
+
+    return checked_tiles() if tiles_survive() else None
+
+
+def checked_tiles():  # noqa: ANN202 - the compiled module or None
+    """``tiles_ops`` without asking ``amx_probe`` first: what the probe's child process runs."""
+    if packed_ops() is None:
         return None
     from radixserve.runtime.cpu_ext import load_kernels
 
     tiles = getattr(load_kernels(), "bf16_tiles", None)
     if tiles is None or not tiles.available or not tiles.enable():
         return None
-    if not agrees_with_f_linear(packed_ops(), _product_of(tiles)):
+    if not agrees_with_f_linear(packed_ops(), product_of(tiles)):
         logger.warning("AMX tile product disagrees with F.linear on this machine; not using it")
         return None
     return tiles
