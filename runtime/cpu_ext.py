@@ -51,6 +51,8 @@ SOURCES = (
     RUNTIME / "csrc" / "balanced.h",
     RUNTIME / "csrc" / "amx_tiles.h",
     RUNTIME / "csrc" / "greedy.cpp",
+    RUNTIME / "attention" / "csrc" / "flash_blocks.h",
+    RUNTIME / "attention" / "csrc" / "prefix_attention.h",
     RUNTIME / "attention" / "csrc" / "decode_attention.cpp",
     RUNTIME / "attention" / "csrc" / "extend_attention.cpp",
     RUNTIME / "models" / "csrc" / "quant_linear.cpp",

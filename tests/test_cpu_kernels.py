@@ -179,3 +179,90 @@ def test_the_pool_stores_a_chunks_keys_and_values_as_index_copy_does(dtype: torc
     with pytest.raises(RuntimeError, match="slot out of range"):
         pool.store(0, torch.tensor([3, 700]), k[:2], v[:2])
     assert torch.equal(pool.layers, want)
+
+
+def _grouped_rows(gen: torch.Generator, spec: list[tuple[int, int, int]], n_slots: int):  # noqa: ANN202
+    """Slot rows for (group or -1, prefix length, own keys) per row: a group's rows start with the same slots."""
+    order = torch.randperm(n_slots, generator=gen)
+    prefixes: dict[int, torch.Tensor] = {}
+    used = 0
+    for g, p, _ in spec:
+        if g >= 0 and g not in prefixes:
+            prefixes[g], used = order[used : used + p], used + p
+    tables = []
+    for g, _, own in spec:
+        tables.append(torch.cat([prefixes[g] if g >= 0 else order[:0], order[used : used + own]]))
+        used += own
+    lens = torch.tensor([len(t) for t in tables])
+    slots = torch.zeros(len(spec), int(lens.max()), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        slots[i, : len(t)] = t
+    return slots, lens, torch.tensor([[g, p] for g, p, _ in spec])
+
+
+# (query heads, KV heads, head size) the shared-prefix kernel takes; rows as (group, prefix length, own keys):
+# prefixes within one block of keys, over several, over more than one run of 512 (merged), rows with none of their
+# own, rows in no group, and more rows than one task holds (64 query rows).
+GROUP_CASES = [
+    ((9, 3, 64), [(0, 1300, 3), (0, 1300, 0), (0, 1300, 40), (-1, 0, 20), (1, 70, 1), (1, 70, 2)]),
+    ((32, 8, 64), [(0, 513, 1)] * 3 + [(-1, 0, 5)]),
+    ((8, 8, 128), [(3, 64, 2), (3, 64, 1), (1, 1, 1), (1, 1, 0)]),  # group ids: any below the row count
+    ((12, 2, 96), [(0, 200, 7)] * 2),
+    ((8, 1, 256), [(0, 129, 1)] * 4),
+    ((9, 3, 64), [(0, 300, 1)] * 40),
+]
+
+
+@pytest.mark.parametrize(("heads", "rows"), GROUP_CASES)
+@torch.inference_mode()
+def test_rows_that_share_a_prefix_attend_it_together(op, heads: tuple[int, int, int], rows) -> None:  # noqa: ANN001
+    """Groups (their prefix attended once, run by run, merged with each row's own keys) give the whole rows' result
+    to bfloat16's rounding, and their log-sum-exp; a group whose rows disagree on its prefix length is refused."""
+    n_heads, kv_heads, dim = heads
+    gen = torch.Generator().manual_seed(dim + len(rows))
+    kv = torch.randn(2, kv_heads, 3000, dim, generator=gen).bfloat16()
+    slots, lens, groups = _grouped_rows(gen, rows, 3000)
+    q = torch.randn(len(rows), n_heads, dim, generator=gen).bfloat16()
+    whole_out, whole_lse = op(q, kv, slots, lens, dim**-0.5)
+    out, lse = op(q, kv, slots, lens, dim**-0.5, groups)
+    want_out, want_lse = reference_decode_attention(q, kv, slots, lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    alone = groups[:, 0] < 0  # rows in no group take the same path as without groups: the same bits
+    assert torch.equal(out[alone], whole_out[alone]) and torch.equal(lse[alone], whole_lse[alone])
+    if (groups[:, 0] >= 0).sum() > 1:
+        bad = groups.clone()
+        first = int((groups[:, 0] >= 0).nonzero()[0])
+        bad[first, 1] -= 1
+        with pytest.raises(RuntimeError, match="disagree on its prefix length"):
+            op(q, kv, slots, lens, dim**-0.5, bad)
+
+
+@torch.inference_mode()
+def test_groups_the_prefix_kernel_cannot_take_are_ignored(op) -> None:
+    """float32, or more than 8 query heads per KV head: the rows are whole anyway, so groups change nothing."""
+    gen = torch.Generator().manual_seed(3)
+    slots, lens, groups = _grouped_rows(gen, [(0, 100, 2)] * 3, 400)
+    for dtype, (n_heads, kv_heads) in ((torch.float32, (9, 3)), (torch.bfloat16, (10, 1))):
+        kv = torch.randn(2, kv_heads, 400, 64, generator=gen).to(dtype)
+        q = torch.randn(3, n_heads, 64, generator=gen).to(dtype)
+        plain, grouped = op(q, kv, slots, lens, 0.125), op(q, kv, slots, lens, 0.125, groups)
+        assert all(torch.equal(a, b) for a, b in zip(plain, grouped, strict=True))
+
+
+def test_the_shared_prefix_check_fails_a_wrong_merge(op) -> None:  # noqa: ANN001
+    """The start-up check of ``prefix_groups_op`` passes the kernel and fails one whose grouped rows are off."""
+    from radixserve.runtime.attention import cpu_kernels
+
+    if cpu_kernels.prefix_groups_op() is None:
+        pytest.skip("no AVX-512 BF16: rows are attended whole")
+    assert cpu_kernels._self_check_groups(op)
+
+    def off(*args):  # noqa: ANN002, ANN202
+        out, lse = op(*args)
+        if len(args) > 5:
+            out = out.clone()
+            out[args[5][:, 0] >= 0] *= 1.05
+        return [out, lse]
+
+    assert not cpu_kernels._self_check_groups(off)

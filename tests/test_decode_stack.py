@@ -128,3 +128,34 @@ def test_a_changed_weight_is_picked_up_after_invalidate(tmp_path: Path) -> None:
         assert model.__dict__["_decode_stack"] is not None and model.__dict__["_decode_stack"] is not old
     finally:
         engine.shutdown()
+
+
+def test_rows_that_share_a_prefix_attend_it_together_on_the_stack_as_in_the_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head size 64 in bfloat16: the prompts' shared 102-token prefix makes a group of decode rows, which the decode
+    kernel attends together (where AVX-512 BF16 has the prefix kernel), on the stack and in the Python layers
+    alike: the same tokens and log-probabilities to the bit."""
+    from radixserve.runtime.attention import cpu_kernels, torch_ref
+
+    grouped_steps = []
+    prepare = torch_ref.TorchReferenceBackend.prepare
+
+    def counting(self, meta, pool):  # noqa: ANN001, ANN202
+        state = prepare(self, meta, pool)
+        grouped_steps.append(state.decode is not None and state.decode.groups is not None)
+        return state
+
+    monkeypatch.setattr(torch_ref.TorchReferenceBackend, "prepare", counting)
+    folder = make_tiny_model(tmp_path / "m", hidden=128, heads=2, kv_heads=1, num_layers=2, seed=5)
+    runs = {}
+    for stack in ("1", "0"):
+        monkeypatch.setenv("RADIXSERVE_DECODE_STACK", stack)
+        engine = Engine(model=str(folder), device="cpu", dtype="bfloat16", quantization="none", max_total_tokens=2048)
+        try:
+            grouped_steps.clear()
+            runs[stack] = _outputs(engine)
+            assert any(grouped_steps) == (cpu_kernels.prefix_groups_op() is not None)
+        finally:
+            engine.shutdown()
+    assert runs["1"] == runs["0"]

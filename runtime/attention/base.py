@@ -40,6 +40,12 @@ class PrefixGroup:
     prefix_slots: torch.Tensor  # [P] int64
 
 
+# What the compiled CPU decode-attention kernel takes for a step's decode rows: whole slot rows [B, W], their lengths
+# [B], and per row (its prefix group or -1, the group's prefix length) [B, 2] where groups attend their shared prefix
+# together (``decode_attention``'s ``groups``), else None.
+KernelRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Layout of the ``T`` tokens of one forward pass.
@@ -109,9 +115,10 @@ class AttentionBackend(ABC):
         is handed to each ``forward`` call of that pass as ``state``."""
         return None
 
-    def kernel_decode_rows(self, meta: AttentionMetadata, state: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(slots [B, W], lens [B]) when every row of this step is a decode row that the compiled CPU decode kernel
-        attends with that slot table (``runtime.models.decode_stack`` then runs the layers in one call); else None."""
+    def kernel_decode_rows(self, meta: AttentionMetadata, state: Any) -> KernelRows | None:
+        """(slots [B, W], lens [B], groups [B, 2] or None) when every row of this step is a decode row that the
+        compiled CPU decode kernel attends with that slot table and those prefix groups
+        (``runtime.models.decode_stack`` then runs the layers in one call); else None."""
         return None
 
     @abstractmethod
@@ -149,7 +156,7 @@ class ForwardContext:
     ) -> torch.Tensor:
         return self.backend.forward(layer, q, k, v, self.meta, self.pool, self._prepare(), options)
 
-    def kernel_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kernel_decode_rows(self) -> KernelRows | None:
         """The backend's ``kernel_decode_rows`` for this step (preparing it), or None."""
         if self.meta.extends or not self.meta.num_decode:
             return None

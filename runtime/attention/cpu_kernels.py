@@ -36,9 +36,10 @@ from radixserve.runtime.threads import one_intra_op_thread
 logger = logging.getLogger("radixserve.kernels")
 
 
-# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W] or [1, W] shared by all rows, lens [B], scale)
-#   -> (out [B, H, D] in q's dtype, lse [B, H] float32)
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], list[torch.Tensor]]
+# (q [B, H, D], kv [2, Hkv, N, D], slots [B, W] or [1, W] shared by all rows, lens [B], scale[, groups [B, 2]])
+#   -> (out [B, H, D] in q's dtype, lse [B, H] float32). groups: per row (its prefix group or -1, the group's prefix
+#   length); a group's rows attend their shared prefix (their first keys, the same slots) together.
+DecodeAttention = Callable[..., list[torch.Tensor]]
 
 
 # Pool dtypes the kernel reads, with its self-check's tolerance against the reference (bfloat16: the reference
@@ -95,6 +96,49 @@ def decode_attention_op() -> DecodeAttention | None:
     if module is None:
         return None
     return _checked(module.decode_attention.decode_attention, _self_check, "decode-attention", "PyTorch ops")
+
+
+def _self_check_groups(op: DecodeAttention) -> bool:
+    """Rows that share a prefix, attended over it together (``groups``), against the same rows whole: groups of
+    several sizes and prefix lengths (within one block of keys, over several, a block and one key), rows with no
+    keys of their own past the prefix, a row in no group, every head size the prefix kernel has."""
+    gen = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim in ((9, 3, 64), (8, 8, 128), (12, 2, 96), (8, 1, 256)):
+        kv = torch.randn(2, kv_heads, 400, dim, generator=gen).bfloat16()
+        order = torch.randperm(400, generator=gen)
+        # (group, prefix length, own keys) per row
+        rows = [(0, 65, 3), (0, 65, 0), (1, 130, 20), (-1, 0, 37), (0, 65, 1), (1, 130, 1), (2, 7, 5), (2, 7, 1)]
+        prefixes = {0: order[:65], 1: order[65:195], 2: order[195:202]}
+        own = iter(order[202:270].split([n for _, _, n in rows]))
+        table = [torch.cat([prefixes[g] if g >= 0 else order[:0], next(own)]) for g, _, _ in rows]
+        lens = torch.tensor([len(t) for t in table])
+        slots = torch.zeros(len(rows), int(lens.max()), dtype=torch.int64)
+        for i, t in enumerate(table):
+            slots[i, : len(t)] = t
+        groups = torch.tensor([[g, p] for g, p, _ in rows])
+        q = torch.randn(len(rows), heads, dim, generator=gen).bfloat16()
+        out, lse = op(q, kv, slots, lens, dim**-0.5, groups)
+        ref_out, ref_lse = reference_decode_attention(q, kv, slots, lens, dim**-0.5)
+        if not (torch.allclose(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)
+                and torch.allclose(lse, ref_lse, atol=1e-3)):  # fmt: skip
+            return False
+    return True
+
+
+@functools.cache
+def prefix_groups_op() -> DecodeAttention | None:
+    """The decode kernel where it attends rows that share a prefix together (``groups``) and passes its check here,
+    else ``None`` (whole rows, the prefix read per row). The kernel takes groups in bfloat16 on AVX-512 BF16 for
+    head sizes 64, 96, 128 and 256 and up to 8 query heads per KV head, and ignores them elsewhere (the rows it is
+    given are whole either way)."""
+    op = decode_attention_op()
+    module = load_kernels()
+    if op is None or module is None or not hasattr(module.decode_attention, "groups_supported"):
+        return None
+    probe = (torch.empty(1, 1, 64, dtype=torch.bfloat16), torch.empty(2, 1, 1, 64, dtype=torch.bfloat16))
+    if not module.decode_attention.groups_supported(*probe):
+        return None
+    return _checked(op, _self_check_groups, "shared-prefix decode-attention", "whole rows")
 
 
 def _checked(op: Callable, check: Callable[[Callable], bool], what: str, fallback: str) -> Callable | None:

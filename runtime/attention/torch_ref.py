@@ -12,8 +12,11 @@ already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` r
 ``embedding_bag`` sums the values weighted by the probabilities straight from the pool. On CPU in float32 the
 compiled kernel of ``cpu_kernels`` does a decode row's whole attention reading the pool in place instead, in
 float32 and bfloat16 (opt in with ``cpu_kernels=True``; the engine does for CPU models); the PyTorch ops stay the
-reference. The kernel attends each grouped row over its whole row (shared prefix put back in front, see
-``_full_rows``): reading the prefix in place from cache beat the cascade's gather and merges on CPU. In bfloat16
+reference. The kernel takes whole rows (shared prefix put back in front, see ``_full_rows``): reading the prefix in
+place beat the PyTorch cascade's gather and merges on CPU. In bfloat16 on a CPU with AVX-512 BF16 it is also told
+each row's group (``_group_table``) and attends a group's shared prefix once for all its rows, on ``vdpbf16ps``,
+merged with each row's own keys (``prefix_groups_op``; not with ``deterministic``, where a row's result must not
+depend on which other rows share its step). In bfloat16
 on a CPU with AVX-512 BF16 and no AMX, every long prefill chunk of a step goes to ``cpu_kernels``' prefill kernel
 in one call instead of SDPA, its cached prefix read in place (no gather, no mask).
 """
@@ -26,12 +29,20 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.runtime.attention import cpu_kernels
-from radixserve.runtime.attention.base import PLAIN, AttentionBackend, AttentionMetadata, AttnOptions, PrefixGroup
+from radixserve.runtime.attention.base import (
+    PLAIN,
+    AttentionBackend,
+    AttentionMetadata,
+    AttnOptions,
+    KernelRows,
+    PrefixGroup,
+)
 from radixserve.runtime.attention.cpu_kernels import (
     DecodeAttention,
     ExtendAttention,
     decode_attention_op,
     extend_attention_op,
+    prefix_groups_op,
 )
 from radixserve.runtime.attention.masked import masked_attention
 from radixserve.runtime.kv_pool import KVPool
@@ -52,6 +63,8 @@ class _DecodeLayout:
     lens: torch.Tensor  # [B] int64, each row's real length
     width: int  # L, the padded row length
     prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``_kv_rows`` of its prefix slots
+    # For the compiled kernel: each row's (prefix group or -1, prefix length), where it attends groups together.
+    groups: torch.Tensor | None
     # For the PyTorch path only (None when the compiled kernel attends):
     key_index: torch.Tensor | None  # [B * Hkv * L] rows of kv[0].view(-1, D): each row's keys, head by head, padded
     bias: torch.Tensor | None  # [B * Hkv, 1, L] float32: 0 where a real token sits, -inf on padding
@@ -127,6 +140,17 @@ def _full_rows(
     return full, full_lens
 
 
+def _group_table(rows: int, groups: tuple[PrefixGroup, ...]) -> torch.Tensor:
+    """Per decode row, (its prefix group or -1, the group's prefix length): the compiled kernel's ``groups``, for
+    the whole rows of ``_full_rows``, whose first keys are the group's prefix."""
+    table = torch.full((rows, 2), -1, dtype=torch.int64)
+    table[:, 1] = 0
+    for i, group in enumerate(groups):
+        table[group.rows, 0] = i
+        table[group.rows, 1] = group.prefix_slots.shape[0]
+    return table
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """``scale * q @ keys^T`` in float32, for a half-precision ``q`` [N, G, D] and ``keys`` [N, L, D].
 
@@ -153,6 +177,9 @@ class TorchReferenceBackend(AttentionBackend):
         self._workspace: torch.Tensor | None = None
         self._decode_kernel: DecodeAttention | None = decode_attention_op() if cpu_kernels or deterministic else None
         self._extend_kernel: ExtendAttention | None = extend_attention_op() if cpu_kernels else None
+        # Rows that share a prefix attend it together on the kernel, except when deterministic: a row's result
+        # must not depend on which other rows share its step.
+        self._grouped_kernel = prefix_groups_op() if cpu_kernels and not deterministic else None
         if deterministic and self._decode_kernel is None:
             raise ValueError(
                 "--enable-deterministic-inference needs the compiled CPU attention kernel, which did not build on "
@@ -170,7 +197,9 @@ class TorchReferenceBackend(AttentionBackend):
             pool_tensor = pool.kv[0]
             if self._decode_kernel is not None and cpu_kernels.applies(pool_tensor.device, pool_tensor.dtype):
                 slots, lens = _full_rows(meta.decode_slots, row_lens, meta.prefix_groups)
-                decode = _DecodeLayout(slots, lens, slots.shape[1], (), None, None)
+                together = self._grouped_kernel is not None and pool_tensor.dtype == torch.bfloat16
+                table = _group_table(b, meta.prefix_groups) if together and meta.prefix_groups else None
+                decode = _DecodeLayout(slots, lens, slots.shape[1], (), table, None, None)
             else:
                 mask = meta.mask()
                 assert mask is not None
@@ -181,7 +210,7 @@ class TorchReferenceBackend(AttentionBackend):
                 bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
                 heads = torch.arange(n_kv, device=real.device) * pool.slot_rows
                 keys = (meta.decode_slots[:, None, :] + heads[None, :, None]).reshape(-1)
-                decode = _DecodeLayout(meta.decode_slots, row_lens, width, prefixes, keys, bias)
+                decode = _DecodeLayout(meta.decode_slots, row_lens, width, prefixes, None, keys, bias)
         kernel = self._decode_kernel is not None and cpu_kernels.applies(pool.kv[0].device, pool.kv[0].dtype)
         bf16_kernel = (
             self._extend_kernel is not None
@@ -216,13 +245,11 @@ class TorchReferenceBackend(AttentionBackend):
             in_kernel = (torch.cat(chunk_slots), table)
         return _StepState(decode, tuple(extends), short_extends=tuple(short), kernel_extends=in_kernel)
 
-    def kernel_decode_rows(
-        self, meta: AttentionMetadata, state: _StepState
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def kernel_decode_rows(self, meta: AttentionMetadata, state: _StepState) -> KernelRows | None:
         decode = state.decode
         if meta.extends or decode is None or decode.key_index is not None or self._decode_kernel is None:
             return None
-        return decode.slots, decode.lens
+        return decode.slots, decode.lens, decode.groups
 
     def _gather(self, kv: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """``kv.view(-1, D)[index]``, into the reused workspace when it is small enough."""
@@ -369,7 +396,7 @@ class TorchReferenceBackend(AttentionBackend):
         qh = q.reshape(b * n_kv, g, d)
         if layout.key_index is None:  # ``prepare`` chose the compiled kernel, over whole rows (see _full_rows)
             assert self._decode_kernel is not None
-            return self._decode_kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5)[0]
+            return self._decode_kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5, layout.groups)[0]
         keys = self._gather(kv[0], layout.key_index).view(b * n_kv, layout.width, d)
         scale = d**-0.5
         if q.dtype == torch.float32:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from radixserve.runtime import envs
-from radixserve.runtime.attention.base import ForwardContext
+from radixserve.runtime.attention.base import ForwardContext, KernelRows
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.models import fused, quant
 from radixserve.runtime.models.bf16_kernels import bf16_kernel_max_rows, unpack_from_rows, weight_kernel
@@ -55,11 +55,9 @@ def suspend(model: nn.Module) -> None:
     model.__dict__[_ATTR] = None
 
 
-def stack_for(
-    model: nn.Module, residual: torch.Tensor, ctx: ForwardContext
-) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
-    """(stack, slots, lens) when this step (its embeddings ``residual``) can run on the stack (see the module doc),
-    else None."""
+def stack_for(model: nn.Module, residual: torch.Tensor, ctx: ForwardContext) -> tuple[Any, KernelRows] | None:
+    """(stack, (slots, lens, groups)) when this step (its embeddings ``residual``) can run on the stack (see the
+    module doc), else None."""
     if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu":
         return None
     built = model.__dict__.get(_ATTR, False)
@@ -73,7 +71,7 @@ def stack_for(
     layout = ctx.kernel_decode_rows()
     if layout is None:
         return None
-    return built[0], layout[0], layout[1]
+    return built[0], layout
 
 
 def _build(model: nn.Module) -> tuple[Any, int, torch.dtype] | None:

@@ -298,8 +298,8 @@ class LlamaForCausalLM(nn.Module):
             residual = residual * torch.tensor(self.args.embed_scale, dtype=residual.dtype)
         stack = decode_stack.stack_for(self, residual, ctx)
         if stack is not None:  # every layer in one compiled call: the same kernels, the same bits
-            kernel, slots, lens = stack
-            x = kernel.forward(residual, *rope, ctx.pool.layers, ctx.meta.out_slots, slots, lens)
+            kernel, (slots, lens, groups) = stack
+            x = kernel.forward(residual, *rope, ctx.pool.layers, ctx.meta.out_slots, slots, lens, groups)
             return self.model.norm.add_forward(x, residual)
         x = None
         for i, layer in enumerate(self.model.layers):

@@ -28,6 +28,7 @@
 
 #include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
+#include "prefix_attention.h"
 
 namespace radixserve_decode_attention {
 namespace {
@@ -289,9 +290,28 @@ void attend_generic(const T* q, const T* keys, const T* values, const int64_t* s
   }
 }
 
+// Each row's result over its own keys merged with its group's over the shared prefix (prefix_attention.h): ``o``
+// and ``l`` hold the row's G heads over its own keys (L of them; none: only the prefix counts) and become the merge.
+inline void merge_prefix(float* o, float* l, const float* po, const float* pl, int64_t G, int64_t D, int64_t L) {
+  for (int64_t g = 0; g < G; ++g) {
+    if (L == 0) {
+      std::copy(po + g * D, po + (g + 1) * D, o + g * D);
+      l[g] = pl[g];
+      continue;
+    }
+    const float m = std::max(l[g], pl[g]);
+    const float a = std::exp(l[g] - m), b = std::exp(pl[g] - m), inv = 1.0f / (a + b);
+    for (int64_t d = 0; d < D; ++d) o[g * D + d] = (a * o[g * D + d] + b * po[g * D + d]) * inv;
+    l[g] = m + std::log(a + b);
+  }
+}
+
+// ``start``: per row, the keys its group's prefix covers (read from there on and merged with the group's result over
+// them in ``pre``, whose runs are merged first), or null: whole rows.
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& slots, const torch::Tensor& lens,
-         float sc, torch::Tensor& out, torch::Tensor& lse) {
+         float sc, torch::Tensor& out, torch::Tensor& lse, const int64_t* start = nullptr,
+         const radixserve_prefix_attention::Partials* pre = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(0) == 1 ? 0 : slots.size(1);  // row stride
   const int64_t G = H / Hkv;
@@ -316,11 +336,12 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
 #endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t L = lp[b];
+      const int64_t P = start != nullptr ? start[b] : 0;  // keys attended with the row's group
+      const int64_t L = lp[b] - P;
       const T* qb = qp + (b * H + h * G) * D;
       T* ob = op + (b * H + h * G) * D;
       float* lb = lsep + b * H + h * G;
-      if (L == 0) {
+      if (L == 0 && P == 0) {
         for (int64_t i = 0; i < G * D; ++i) ob[i] = T(0.0f);
         for (int64_t g = 0; g < G; ++g) lb[g] = -std::numeric_limits<float>::infinity();
         continue;
@@ -328,20 +349,28 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
       scores.resize(static_cast<size_t>(G * L));
       const T* keys = kp + h * N * D;
       const T* values = vp + h * N * D;
+      const int64_t* row_slots = sp + b * W + P;
       // float32 output is written in place; a narrower one goes through the float32 buffer, rounded once.
       float* ofl = std::is_same_v<T, float> ? reinterpret_cast<float*>(ob) : acc.data();
+      if (L > 0) {
 #ifdef __AVX512F__
-      if (fast != nullptr) {
-        fast(qb, keys, values, sp + b * W, L, sc, scores.data(), ofl, lb);
-      } else
+        if (fast != nullptr) {
+          fast(qb, keys, values, row_slots, L, sc, scores.data(), ofl, lb);
+        } else
 #endif
 #ifdef RS_DECODE_AVX2
-      if (D % 8 == 0) {
-        attend_avx2<T>(qb, keys, values, sp + b * W, L, G, D, sc, scores.data(), qf.data(), ofl, lb);
-      } else
+        if (D % 8 == 0) {
+          attend_avx2<T>(qb, keys, values, row_slots, L, G, D, sc, scores.data(), qf.data(), ofl, lb);
+        } else
 #endif
-      {
-        attend_generic<T>(qb, keys, values, sp + b * W, L, G, D, sc, scores.data(), ofl, lb);
+        {
+          attend_generic<T>(qb, keys, values, row_slots, L, G, D, sc, scores.data(), ofl, lb);
+        }
+      }
+      if (P > 0) {
+        const int64_t row_head = b * H + h * G;
+        radixserve_prefix_attention::merge_runs(*pre, row_head, G, radixserve_prefix_attention::runs_of(P));
+        merge_prefix(ofl, lb, pre->o(0, row_head), &pre->l(0, row_head), G, D, L);
       }
       if constexpr (!std::is_same_v<T, float>) {
         for (int64_t i = 0; i < G * D; ++i) ob[i] = T(ofl[i]);
@@ -352,8 +381,41 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
 
 }  // namespace
 
+// Whether groups of rows that share a prefix are attended together for this dtype and these heads (else callers
+// pass whole rows and no groups).
+bool groups_supported(const torch::Tensor& q, const torch::Tensor& kv) {
+  return q.dim() == 3 && kv.dim() == 4 && q.scalar_type() == torch::kBFloat16 && kv.size(1) > 0 &&
+         q.size(1) % kv.size(1) == 0 && radixserve_prefix_attention::supports(q.size(2), q.size(1) / kv.size(1));
+}
+
+// ``groups`` [B, 2] int64, per row: (its group, an id below B, or -1; the length of the group's prefix), the prefix
+// being the first keys of every member's slot row (the same slots: one radix-tree node). Checked: a group's members
+// agree on the length, which lies within each member's keys.
+std::vector<radixserve_prefix_attention::Group> parse_groups(const torch::Tensor& groups, const int64_t* sp,
+                                                             const int64_t* lp, int64_t B, int64_t W) {
+  TORCH_CHECK(groups.dim() == 2 && groups.size(0) == B && groups.size(1) == 2 &&
+                  groups.scalar_type() == torch::kInt64 && groups.is_contiguous(),
+              "decode_attention: groups [B, 2] int64 (group or -1, prefix length)");
+  const int64_t* gp = groups.data_ptr<int64_t>();
+  std::vector<int64_t> index(static_cast<size_t>(B), -1);  // group id -> its place in the list
+  std::vector<radixserve_prefix_attention::Group> list;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t id = gp[2 * b], P = gp[2 * b + 1];
+    if (id < 0) continue;
+    TORCH_CHECK(id < B && P > 0 && P <= lp[b], "decode_attention: row ", b, "'s group or prefix out of range");
+    if (index[id] < 0) {
+      index[id] = static_cast<int64_t>(list.size());
+      list.push_back({P, sp + b * W, {}});
+    }
+    auto& g = list[index[id]];
+    TORCH_CHECK(g.prefix == P, "decode_attention: rows of group ", id, " disagree on its prefix length");
+    g.rows.push_back(b);
+  }
+  return list;
+}
+
 std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor slots, torch::Tensor lens,
-                                            double scale) {
+                                            double scale, std::optional<torch::Tensor> groups) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 4 && slots.dim() == 2 && lens.dim() == 1, "decode_attention: bad ranks");
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && kv.scalar_type() == dtype,
@@ -382,7 +444,21 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
   auto out = torch::empty({B, H, D}, q.options());
   auto lse = torch::empty({B, H}, q.options().dtype(torch::kFloat32));
   const float sc = static_cast<float>(scale);
-  if (dtype == torch::kFloat32) {
+  // The rows are whole either way: groups the prefix kernel cannot take (float32, other heads) are only ignored.
+  if (groups.has_value() && groups_supported(q, kv) && !shared) {
+    std::vector<radixserve_prefix_attention::Group> list = parse_groups(*groups, sp, lp, B, W);
+    std::vector<int64_t> start(static_cast<size_t>(B), 0);
+    int64_t runs = 1;
+    for (const auto& g : list) {
+      for (int64_t b : g.rows) start[b] = g.prefix;
+      runs = std::max(runs, radixserve_prefix_attention::runs_of(g.prefix));
+    }
+    // Only grouped rows' entries are written and read (not zeroed).
+    std::unique_ptr<float[]> pre_out(new float[runs * B * H * D]), pre_lse(new float[runs * B * H]);
+    const radixserve_prefix_attention::Partials pre{pre_out.get(), pre_lse.get(), B, H, D};
+    radixserve_prefix_attention::dispatch(q, kv, list, sc, pre);
+    run<bf16>(q, kv, slots, lens, sc, out, lse, start.data(), &pre);
+  } else if (dtype == torch::kFloat32) {
     run<float>(q, kv, slots, lens, sc, out, lse);
   } else {
     run<bf16>(q, kv, slots, lens, sc, out, lse);
@@ -395,6 +471,11 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
 void register_decode_attention(pybind11::module_& parent) {
   auto m = parent.def_submodule("decode_attention");
   // Released like torch's own ops release it, so Python threads (the server's event loop) run meanwhile.
-  m.def("decode_attention", &radixserve_decode_attention::decode_attention, "decode attention over pool slots (float32 or bfloat16, CPU)",
+  m.def("decode_attention", &radixserve_decode_attention::decode_attention,
+        "decode attention over pool slots (float32 or bfloat16, CPU); groups: rows that share a prefix, attended "
+        "over it together",
+        py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("groups") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("groups_supported", &radixserve_decode_attention::groups_supported,
+        "whether rows that share a prefix can be attended together for these q and kv");
 }

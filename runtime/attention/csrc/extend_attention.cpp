@@ -44,101 +44,35 @@
 
 #include "../../csrc/amx_tiles.h"
 #include "../../csrc/balanced.h"
+#include "flash_blocks.h"
 #include "../../csrc/simd.h"
 
 namespace radixserve_extend_attention {
 namespace {
 
 constexpr int64_t QB = 16;  // query positions per task
-constexpr int64_t KB = 64;  // keys per block of the online softmax (4 tiles of 16)
 constexpr int64_t MAX_GS = 8;  // query heads of one KV head per task (more: several tasks)
+using radixserve_flash::KB;  // keys per block of the online softmax (4 tiles of 16)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kFast = true;
 
 using bf16 = c10::BFloat16;
-
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+using radixserve_flash::block_scores;
+using radixserve_flash::block_values;
+using radixserve_flash::exp2v;
+using radixserve_flash::pack_block;
 
 struct Seq {
   int64_t q_start, q_len, kv_len, slot_off, pack_off;  // pack_off: this sequence's first packed key (KB-aligned)
 };
-
-// Phase 1 for one (sequence, KV head, block of KB keys): keys into Kt tiles, values into Vt pairs.
-// Kt: per tile of 16 keys, D/2 registers; register p holds, per key lane, its dimensions (2p, 2p+1) as one word.
-// Vt: per pair of keys (2j, 2j+1), D/16 registers; register c holds, per lane l, (v[2j][16c+l], v[2j+1][16c+l]).
-void pack_block(const uint16_t* keys, const uint16_t* values, const int64_t* slots, int64_t first, int64_t count,
-                int64_t D, uint32_t* kt, uint32_t* vt) {
-  const int64_t DP = D / 2;
-  for (int64_t tile = 0; tile < KB / 16; ++tile) {
-    uint32_t* dst = kt + tile * DP * 16;
-    for (int64_t lane = 0; lane < 16; ++lane) {
-      const int64_t j = first + tile * 16 + lane;
-      if (j < count) {
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(keys + slots[j] * D);
-        for (int64_t p = 0; p < DP; ++p) dst[p * 16 + lane] = src[p];
-      } else {
-        for (int64_t p = 0; p < DP; ++p) dst[p * 16 + lane] = 0;
-      }
-    }
-  }
-  for (int64_t pair = 0; pair < KB / 2; ++pair) {
-    uint32_t* dst = vt + pair * D;  // D words: D/16 registers of 16 lanes
-    const int64_t j0 = first + 2 * pair, j1 = j0 + 1;
-    const uint16_t* v0 = j0 < count ? values + slots[j0] * D : nullptr;
-    const uint16_t* v1 = j1 < count ? values + slots[j1] * D : nullptr;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t lo = v0 != nullptr ? v0[d] : 0, hi = v1 != nullptr ? v1[d] : 0;
-      dst[d] = lo | (hi << 16);
-    }
-  }
-}
-
-// Scores of MR query rows against the 4 tiles of one key block: s[m][t*16 + lane] = q_m . k_lane.
-template <int DP, int MR, int NT>
-inline void block_scores(const uint32_t* const* qrows, const uint32_t* kt, float* s) {
-  __m512 acc[MR][NT];
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
-  for (int p = 0; p < DP; ++p) {
-    __m512bh k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = as_bh(_mm512_loadu_si512(kt + (t * DP + p) * 16));
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh qv = as_bh(_mm512_set1_epi32(static_cast<int>(qrows[m][p])));
-      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], k[t], qv);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int t = 0; t < NT; ++t) _mm512_storeu_ps(s + m * KB + t * 16, acc[m][t]);
-}
-
-// o[m] = o[m] * alpha[m] + P[m] . V over one key block, for MR rows of ND * 16 dimensions (float32 in memory).
-template <int ND, int MR>
-inline void block_values(const uint32_t* const* prow, const float* alpha, const uint32_t* vt, float* const* orow,
-                         int pairs) {
-  __m512 acc[MR][ND];
-  for (int m = 0; m < MR; ++m) {
-    const __m512 a = _mm512_set1_ps(alpha[m]);
-    for (int c = 0; c < ND; ++c) acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(orow[m] + c * 16), a);
-  }
-  for (int pair = 0; pair < pairs; ++pair) {
-    __m512bh v[ND];
-    for (int c = 0; c < ND; ++c) v[c] = as_bh(_mm512_loadu_si512(vt + (pair * ND + c) * 16));
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(prow[m][pair])));
-      for (int c = 0; c < ND; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], v[c], pv);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[m] + c * 16, acc[m][c]);
-}
 
 // The products on AMX tiles instead (``extend_attention_tiles``), T: radixserve_amx::Amx or ::Emulated. Kt and Vt
 // are already the B operands of TDPBF16PS: a tile of 16 keys' D/2 pairs is D/32 B tiles of 16 pairs (1 KB each,
 // contiguous), and 16 consecutive pairs of keys of Vt, for 16 dimensions, one B tile at a stride of D * 4 bytes. Rows
 // go 16 at a time (a task's rows rounded up to 16: one tile configuration), queries from `qa` (rows of D), weights
 // from `pb` (rows of KB) as A tiles, scores and the output accumulators as C tiles 0-3.
-struct Vector {};  // the vdpbf16ps products above
+struct Vector {};  // the vdpbf16ps products (flash_blocks.h)
 
 template <class T, int DP>
 void tile_scores(const uint16_t* qa, int64_t Rp, const uint32_t* kt, int nt, float* s) {
@@ -184,23 +118,6 @@ void tile_values(const uint16_t* pb, const float* alpha, int64_t Rp, const uint3
       }
       for (int j = 0; j < nc; ++j) T::store(j, o + r0 * D + 16 * (c0 + j), D * 4);
     }
-}
-
-// 2^x for x <= 0 (-inf included: 0): x = n + f, |f| <= 1/2, 2^f by its Taylor polynomial of degree 6 in f ln2
-// (truncation error < 2e-7, about float32's rounding), times 2^n by scalef.
-inline __m512 exp2v(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  constexpr float L = 0.6931471805599453f;
-  __m512 p = _mm512_set1_ps(L * L * L * L * L * L / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L * L * L * L * L / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L * L * L * L / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L * L * L / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L * L / 2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Phase 2 for one task: rows r = i * GS + g (query position i of the block, head g0 + g of the KV head's group);
@@ -354,7 +271,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const int64_t* slots, 
   // Packed keys and values: [Hkv, packed_keys, D] bfloat16 each (as words: packed_keys * D / 2 per head).
   // Not zeroed: pack_block writes every word, padding included.
   const size_t words = static_cast<size_t>(Hkv * packed_keys * D / 2);
-  std::unique_ptr<uint32_t[]> kt_buf(new uint32_t[words]), vt_buf(new uint32_t[words]);
+  radixserve_flash::PackedWords kt_buf = radixserve_flash::packed_words(words);
+  radixserve_flash::PackedWords vt_buf = radixserve_flash::packed_words(words);
   uint32_t *kt = kt_buf.get(), *vt = vt_buf.get();
   std::vector<std::array<int64_t, 3>> packs;  // (seq, head, key block)
   std::vector<std::array<int64_t, 4>> tasks;  // (seq, head, query block, first query head of the slice)

@@ -104,9 +104,11 @@ class Stack {
 
   // residual [T, hidden] (the embeddings, updated in place); cos / signed_sin [T, 1, D]; kv the pool's
   // [layers, 2, Hkv, N, D]; out_slots [T] where each row's k and v go; slots [T, W] / lens [T] the rows' keys, as
-  // the decode-attention kernel takes them (its own slot included). Returns the last layer's MLP output.
+  // the decode-attention kernel takes them (its own slot included), with its ``groups`` of rows that share a prefix
+  // (or none). Returns the last layer's MLP output.
   torch::Tensor forward(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
-                        torch::Tensor out_slots, torch::Tensor slots, torch::Tensor lens) const {
+                        torch::Tensor out_slots, torch::Tensor slots, torch::Tensor lens,
+                        std::optional<torch::Tensor> groups) const {
     const int64_t T = residual.size(0), h = heads_, hkv = kv_heads_, d = head_dim_;
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_stack: residual [T, hidden]");
     TORCH_CHECK(kv.dim() == 5 && kv.size(0) == num_layers() && kv.size(2) == hkv && kv.size(4) == d &&
@@ -131,7 +133,8 @@ class Stack {
       torch::Tensor pool = kv[i];
       store(pool, op, qk, h, v);
       torch::Tensor att =
-          radixserve_decode_attention::decode_attention(qk.narrow(1, 0, h).contiguous(), pool, slots, lens, scale)[0];
+          radixserve_decode_attention::decode_attention(qk.narrow(1, 0, h).contiguous(), pool, slots, lens, scale,
+                                                        groups)[0];
       torch::Tensor o = layer.o(att.view({T, h * d}));
       torch::Tensor h2 = radixserve_fused_ops::add_rms_norm(o, residual, layer.norm_post, eps_);
       x = layer.down(layer.gate_up.kind == 5 ? layer.gate_up(h2) : radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
@@ -171,5 +174,7 @@ void register_decode_stack(pybind11::module_& parent) {
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &ds::Stack::add_layer)
       .def_property_readonly("num_layers", &ds::Stack::num_layers)
-      .def("forward", &ds::Stack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &ds::Stack::forward, py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
+           py::arg("out_slots"), py::arg("slots"), py::arg("lens"), py::arg("groups") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,235 @@
+// Decode rows that share a cached prefix attend to it once per group (cascade attention), for decode_attention.cpp.
+//
+// Rows whose sequences start with the same prefix (the same radix-tree node, so the same pool slots) read the same
+// keys. Attended row by row, each row reads the prefix again and multiplies it against its own G query heads: the
+// keys come from cache after the first row, but the products run G queries per key load, in float32. Here a
+// group's rows' queries, up to RMAX (rows times G heads) at once, run flash attention over the prefix together on
+// vdpbf16ps, as prefill does: each block of KB keys is packed into the operand layouts (flash_blocks.h) in a
+// buffer of the task's own, which stays in L1, and each packed block loaded into registers serves 4 query rows.
+// The prefix is split into runs of KEYS_PER_TASK keys (flash-decoding), so that one group's few KV heads still make
+// enough tasks for every core; each task leaves, per (row, query head), its float32 output over its run and the
+// log-sum-exp of its scaled scores, and the runs are merged exactly. decode_attention then attends each row's own
+// keys after the prefix and merges that in too.
+//
+// Layouts: q [B, H, D] bfloat16; pool keys / values of one KV head [N, D] bfloat16; a group: its prefix length P,
+// its rows, and the slots of its prefix (any member's first P slots).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "flash_blocks.h"
+
+namespace radixserve_prefix_attention {
+
+using radixserve_flash::KB;
+
+struct Group {
+  int64_t prefix;              // P: the shared prefix's length in keys
+  const int64_t* slots;        // its P slots
+  std::vector<int64_t> rows;   // the decode rows that share it
+};
+
+// A task: up to RMAX query rows (whole rows' G heads: at least one row) over a run of KEYS_PER_TASK keys. A run that
+// long keeps its packing and merging a small share; one group of 16 rows of SmolLM2 (3 KV heads) over a 1,300-token
+// prompt makes 9 tasks.
+constexpr int64_t RMAX = 64;
+constexpr int64_t KEYS_PER_TASK = 8 * KB;
+
+// What a task leaves per (row, query head, run): its float32 output over the run, normalized, and its log-sum-exp.
+struct Partials {
+  float* out;    // [runs, B, H, D]
+  float* lse;    // [runs, B, H]
+  int64_t B, H, D;
+  float* o(int64_t run, int64_t row_head) const { return out + (run * B * H + row_head) * D; }
+  float& l(int64_t run, int64_t row_head) const { return lse[run * B * H + row_head]; }
+};
+
+#ifdef RADIXSERVE_FLASH
+using radixserve_flash::block_scores;
+using radixserve_flash::block_values;
+using radixserve_flash::exp2v;
+
+// Rows r = k * G + g (member k of ``rows``, query head h * G + g) over keys [kb0, kb1) * KB of the group's P
+// (``slots``; ``keys`` / ``values`` the KV head's rows of the pool), into run ``run`` of ``parts``.
+template <int ND>
+void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int64_t* rows, int64_t n_rows,
+                   const uint16_t* keys, const uint16_t* values, const int64_t* slots, int64_t P, int64_t kb0,
+                   int64_t kb1, float scale, const Partials& parts, int64_t run) {
+  constexpr int D = ND * 16, DP = D / 2;
+  constexpr int MRS = 4;        // score rows per register block
+  constexpr int MRV = 16 / ND;  // value rows per register block (a divisor of MRS)
+  constexpr int LINES = D * 2 / 64;  // cache lines of a key's (or a value's) row
+  const int64_t R = n_rows * G;
+  const int64_t Rp = (R + MRS - 1) / MRS * MRS;
+  alignas(64) static thread_local float s[RMAX * KB];
+  alignas(64) static thread_local uint16_t pb[RMAX * KB];
+  alignas(64) static thread_local float o[RMAX * D];
+  alignas(64) static thread_local uint32_t kt[KB * DP], vt[KB * D / 2];  // this block's keys and values, packed
+  alignas(64) static const uint32_t zero_q[D / 2] = {};
+  alignas(64) float m_run[RMAX], l_run[RMAX * 16], alpha[RMAX], mc[RMAX];
+  const uint32_t* qrows[RMAX];
+  for (int64_t r = 0; r < Rp; ++r) {
+    qrows[r] = r < R ? reinterpret_cast<const uint32_t*>(q + (rows[r / G] * H + h * G + r % G) * D) : zero_q;
+    m_run[r] = -std::numeric_limits<float>::infinity();
+    std::fill(l_run + r * 16, l_run + r * 16 + 16, 0.0f);
+    std::memset(o + r * D, 0, D * sizeof(float));
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float c = scale * 1.4426950408889634f;  // e^(scale x) = 2^(c x)
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    // The next block's rows into L2 while this one is multiplied (the prefix is read from memory once a layer).
+    for (int64_t j = (kb + 1) * KB; j < std::min((kb + 2) * KB, kb1 * KB) && j < P; ++j)
+      for (int line = 0; line < LINES; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(keys + slots[j] * D) + 64 * line, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(values + slots[j] * D) + 64 * line, _MM_HINT_T1);
+      }
+    radixserve_flash::pack_block(keys, values, slots, kb * KB, P, D, kt, vt);
+    const int64_t here = std::min<int64_t>(KB, P - kb * KB);  // keys of this block (the last may be partial)
+    const int nt = static_cast<int>((here + 15) / 16);          // tiles of 16 keys that hold any
+    for (int64_t r = 0; r < Rp; r += MRS) {
+      switch (nt) {
+        case 1: block_scores<DP, MRS, 1>(qrows + r, kt, s + r * KB); break;
+        case 2: block_scores<DP, MRS, 2>(qrows + r, kt, s + r * KB); break;
+        case 3: block_scores<DP, MRS, 3>(qrows + r, kt, s + r * KB); break;
+        default: block_scores<DP, MRS, 4>(qrows + r, kt, s + r * KB); break;
+      }
+    }
+    const __m512i limit = _mm512_set1_epi32(static_cast<int>(here));
+    for (int64_t r = 0; r < Rp; ++r) {
+      float* sr = s + r * KB;
+      __m512 mx = neg_inf;
+      for (int t = 0; t < 4; ++t) {
+        __m512 v = neg_inf;  // tiles past the block's keys were not scored
+        if (t < nt) {
+          const __mmask16 ok = _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(t * 16)), limit);
+          v = _mm512_mask_mov_ps(neg_inf, ok, _mm512_loadu_ps(sr + t * 16));
+        }
+        _mm512_storeu_ps(sr + t * 16, v);
+        mx = _mm512_max_ps(mx, v);
+      }
+      // Every block holds at least one key, so the running max is finite from the first block on.
+      const float m_new = std::max(m_run[r], _mm512_reduce_max_ps(mx));
+      alpha[r] = m_run[r] == -std::numeric_limits<float>::infinity()
+                     ? 1.0f
+                     : _mm512_cvtss_f32(exp2v(_mm512_set1_ps((m_run[r] - m_new) * c)));
+      m_run[r] = m_new;
+      mc[r] = m_new * c;
+      const __m512 m = _mm512_set1_ps(mc[r]);
+      __m512 sum = _mm512_setzero_ps();
+      uint16_t* pr = pb + r * KB;
+      for (int t = 0; t < 4; ++t) {
+        const __m512 e = exp2v(_mm512_fmsub_ps(_mm512_loadu_ps(sr + t * 16), cv, m));
+        sum = _mm512_add_ps(sum, e);
+        const __m256bh rounded = _mm512_cvtneps_pbh(e);
+        std::memcpy(pr + t * 16, &rounded, sizeof(rounded));
+      }
+      float* lr = l_run + r * 16;
+      _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r]), sum));
+    }
+    for (int64_t r = 0; r < Rp; r += MRV) {
+      const uint32_t* prow[MRV];
+      float* orow[MRV];
+      for (int m = 0; m < MRV; ++m) {
+        prow[m] = reinterpret_cast<const uint32_t*>(pb + (r + m) * KB);
+        orow[m] = o + (r + m) * D;
+      }
+      block_values<ND, MRV>(prow, alpha + r, vt, orow, nt * 8);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row_head = rows[r / G] * H + h * G + r % G;
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(l_run + r * 16));
+    const __m512 inv = _mm512_set1_ps(1.0f / l);
+    float* dst = parts.o(run, row_head);
+    for (int k = 0; k < ND; ++k) _mm512_storeu_ps(dst + k * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + k * 16), inv));
+    parts.l(run, row_head) = m_run[r] * scale + std::log(l);
+  }
+}
+
+// The runs a group's prefix of P keys is attended in.
+inline int64_t runs_of(int64_t P) { return (P + KEYS_PER_TASK - 1) / KEYS_PER_TASK; }
+
+// Every group's prefix attention, run by run, into ``parts`` (runs_of(P) runs for a group of prefix P). q [B, H, D],
+// kv [2, Hkv, N, D] bfloat16.
+template <int ND>
+void run(const torch::Tensor& q, const torch::Tensor& kv, const std::vector<Group>& groups, float scale,
+         const Partials& parts) {
+  constexpr int64_t D = ND * 16;
+  const int64_t H = q.size(1), Hkv = kv.size(1), N = kv.size(2), G = H / Hkv;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const uint16_t*>(kv.data_ptr());
+  const uint16_t* vp = kp + Hkv * N * D;
+  std::vector<std::array<int64_t, 5>> tasks;  // (group, head, first member, members, run)
+  const int64_t per_task = std::max<int64_t>(1, RMAX / G);  // G <= 8 (supports): members * G <= RMAX
+  for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
+    const int64_t members = static_cast<int64_t>(groups[gi].rows.size());
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t k0 = 0; k0 < members; k0 += per_task)
+        for (int64_t r = 0; r < runs_of(groups[gi].prefix); ++r)
+          tasks.push_back({gi, h, k0, std::min(per_task, members - k0), r});
+  }
+  radixserve_balanced::balanced_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end, int64_t) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [gi, h, k0, n, r] = tasks[t];
+      const Group& g = groups[gi];
+      const int64_t kb0 = r * KEYS_PER_TASK / KB, kb1 = std::min((r + 1) * KEYS_PER_TASK, g.prefix + KB - 1) / KB;
+      attend_prefix<ND>(qp, H, G, h, g.rows.data() + k0, n, kp + h * N * D, vp + h * N * D, g.slots, g.prefix, kb0,
+                        kb1, scale, parts, r);
+    }
+  });
+}
+#endif
+
+// Run 0 of ``parts`` becomes the merge of a row's runs (``runs`` of them), for its G query heads from ``row_head``.
+inline void merge_runs(const Partials& parts, int64_t row_head, int64_t G, int64_t runs) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* o = parts.o(0, row_head + g);
+    float& l = parts.l(0, row_head + g);
+    for (int64_t r = 1; r < runs; ++r) {
+      const float lr = parts.l(r, row_head + g), m = std::max(l, lr);
+      const float a = std::exp(l - m), b = std::exp(lr - m), inv = 1.0f / (a + b);
+      const float* other = parts.o(r, row_head + g);
+      for (int64_t d = 0; d < parts.D; ++d) o[d] = (a * o[d] + b * other[d]) * inv;
+      l = m + std::log(a + b);
+    }
+  }
+}
+
+// Whether this build attends shared prefixes of head size D together (else decode_attention reads whole rows).
+inline bool supports(int64_t D, int64_t G) {
+#ifdef RADIXSERVE_FLASH
+  return (D == 64 || D == 96 || D == 128 || D == 256) && G >= 1 && G <= 8;
+#else
+  (void)D;
+  (void)G;
+  return false;
+#endif
+}
+
+// run for head size D.
+inline void dispatch(const torch::Tensor& q, const torch::Tensor& kv, const std::vector<Group>& groups, float scale,
+                     const Partials& parts) {
+#ifdef RADIXSERVE_FLASH
+  switch (q.size(2)) {
+    case 64: run<4>(q, kv, groups, scale, parts); break;
+    case 96: run<6>(q, kv, groups, scale, parts); break;
+    case 128: run<8>(q, kv, groups, scale, parts); break;
+    default: run<16>(q, kv, groups, scale, parts); break;
+  }
+#else
+  (void)q, (void)kv, (void)groups, (void)scale, (void)parts;
+#endif
+}
+
+}  // namespace radixserve_prefix_attention
