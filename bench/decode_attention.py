@@ -11,12 +11,17 @@ Slot layouts (each row's L slots, its prompt then its decoded tokens):
 
 Printed: milliseconds a step (all layers; median of ``--rounds``) and GB/s of keys and values read.
 
+``--shared P``: every row's first P tokens are one prompt shared through the radix cache (the same slots), then its
+own (served layout); the step is timed as whole rows and with the rows as one group (``groups``: the kernel attends
+the prefix once for all of them, where it can), alternating.
+
 ``--busy MS/PERIOD`` runs a busy loop in another process for MS of every PERIOD milliseconds (a front end or a
 client on one of the cores), to see how much of that the kernels lose beyond the time taken from them.
 
     python -m bench.decode_attention                       # SmolLM2-135M's heads: 16 rows of 663 tokens
     python -m bench.decode_attention --batch 1 --length 4000
     python -m bench.decode_attention --busy 1/8
+    python -m bench.decode_attention --length 1330 --decoded 30 --shared 1300   # the shared-prompt workload
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--busy", default="", help="MS/PERIOD: a busy loop in another process (e.g. 1/8)")
+    p.add_argument("--shared", type=int, default=0, help="tokens of one prompt every row starts with")
     args = p.parse_args(argv)
     op = decode_attention_op()
     if op is None:
@@ -64,18 +70,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     pools = [torch.randn(2, args.kv_heads, slots_needed, dim).to(torch.bfloat16) for _ in range(args.layers)]
     q = torch.randn(batch, args.heads, dim).to(torch.bfloat16)
     lens = torch.full((batch,), length, dtype=torch.int64)
-    cases = layouts(batch, length, decoded)
-    nbytes = 2 * batch * length * args.kv_heads * dim * 2 * args.layers
+    shared = min(args.shared, length - 1)
+    if shared:
+        own = layouts(batch, length - shared, decoded)["served"] + shared  # after the prefix's slots
+        slots = torch.cat([torch.arange(shared - 1, -1, -1).expand(batch, -1), own], dim=1).contiguous()
+        groups = torch.tensor([[0, shared]] * batch)
+        cases = {"served, whole rows": (slots, None), "served, one group": (slots, groups)}
+    else:
+        cases = {name: (slots, None) for name, slots in layouts(batch, length, decoded).items()}
+    # keys and values each row reads (a shared prefix counted once)
+    nbytes = 2 * (batch * (length - shared) + shared) * args.kv_heads * dim * 2 * args.layers
     times: dict[str, list[float]] = {name: [] for name in cases}
     with busy_neighbour(args.busy):
         for _ in range(args.rounds):
-            for name, slots in cases.items():  # alternating, so that both see the same machine
+            for name, (slots, groups) in cases.items():  # alternating, so that both see the same machine
                 start = time.perf_counter()
                 for kv in pools:
-                    op(q, kv, slots, lens, dim**-0.5)
+                    op(q, kv, slots, lens, dim**-0.5, groups)
                 times[name].append(time.perf_counter() - start)
     print(f"# decode attention, {batch} rows of {length} tokens ({decoded} decoded), {args.heads} query heads, "
           f"{args.kv_heads} KV heads, head_dim {dim}, {args.layers} layers, bfloat16"
+          f"{f', {shared} of them shared' if shared else ''}"
           f"{f', busy neighbour {args.busy} ms' if args.busy else ''}; {machine_summary()}")  # fmt: skip
     rows = []
     for name, ts in times.items():
