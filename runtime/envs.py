@@ -64,6 +64,12 @@ def decode_stack() -> bool:
     return get_bool("DECODE_STACK", True)
 
 
+def prefix_groups() -> bool:
+    """``RADIXSERVE_PREFIX_GROUPS=0``: decode rows that share a cached prompt are attended row by row over their
+    whole keys instead of together over the shared prefix (``runtime.attention.cpu_kernels.prefix_groups_op``)."""
+    return get_bool("PREFIX_GROUPS", True)
+
+
 def cpu_kernels() -> bool:
     """``RADIXSERVE_CPU_KERNELS=0`` keeps CPU attention on PyTorch ops instead of the compiled kernels of
     ``runtime.attention.cpu_kernels`` (built once per machine)."""

@@ -266,3 +266,18 @@ def test_the_shared_prefix_check_fails_a_wrong_merge(op) -> None:  # noqa: ANN00
         return [out, lse]
 
     assert not cpu_kernels._self_check_groups(off)
+
+
+def test_prefix_groups_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RADIXSERVE_PREFIX_GROUPS=0``: no grouped kernel, so the backend attends every row over its whole keys."""
+    from radixserve.runtime.attention import cpu_kernels
+    from radixserve.runtime.attention.torch_ref import TorchReferenceBackend
+
+    monkeypatch.setenv("RADIXSERVE_PREFIX_GROUPS", "0")
+    cpu_kernels.prefix_groups_op.cache_clear()
+    try:
+        assert cpu_kernels.prefix_groups_op() is None
+        assert TorchReferenceBackend(cpu_kernels=True)._grouped_kernel is None
+    finally:
+        monkeypatch.delenv("RADIXSERVE_PREFIX_GROUPS")
+        cpu_kernels.prefix_groups_op.cache_clear()

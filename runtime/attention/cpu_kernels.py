@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from radixserve.runtime import envs
 from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.cpu_features import cpu_flags
 from radixserve.runtime.measured import once, race
@@ -130,10 +131,10 @@ def prefix_groups_op() -> DecodeAttention | None:
     """The decode kernel where it attends rows that share a prefix together (``groups``) and passes its check here,
     else ``None`` (whole rows, the prefix read per row). The kernel takes groups in bfloat16 on AVX-512 BF16 for
     head sizes 64, 96, 128 and 256 and up to 8 query heads per KV head, and ignores them elsewhere (the rows it is
-    given are whole either way)."""
+    given are whole either way). ``RADIXSERVE_PREFIX_GROUPS=0`` turns it off."""
     op = decode_attention_op()
     module = load_kernels()
-    if op is None or module is None or not hasattr(module.decode_attention, "groups_supported"):
+    if not envs.prefix_groups() or op is None or module is None:
         return None
     probe = (torch.empty(1, 1, 64, dtype=torch.bfloat16), torch.empty(2, 1, 1, 64, dtype=torch.bfloat16))
     if not module.decode_attention.groups_supported(*probe):
