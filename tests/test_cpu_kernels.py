@@ -201,7 +201,7 @@ def _grouped_rows(gen: torch.Generator, spec: list[tuple[int, int, int]], n_slot
 
 
 # (query heads, KV heads, head size) the shared-prefix kernel takes; rows as (group, prefix length, own keys):
-# prefixes within one block of keys, over several, over more than one run of 512 (merged), rows with none of their
+# prefixes within one block of keys, over several, over several runs of keys (merged), rows with none of their
 # own, rows in no group, and more rows than one task holds (64 query rows).
 GROUP_CASES = [
     ((9, 3, 64), [(0, 1300, 3), (0, 1300, 0), (0, 1300, 40), (-1, 0, 20), (1, 70, 1), (1, 70, 2)]),

@@ -307,11 +307,11 @@ inline void merge_prefix(float* o, float* l, const float* po, const float* pl, i
 }
 
 // ``start``: per row, the keys its group's prefix covers (read from there on and merged with the group's result over
-// them in ``pre``, whose runs are merged first), or null: whole rows.
+// them in ``pre``, whose ``runs`` per row are merged first), or null: whole rows.
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& slots, const torch::Tensor& lens,
          float sc, torch::Tensor& out, torch::Tensor& lse, const int64_t* start = nullptr,
-         const radixserve_prefix_attention::Partials* pre = nullptr) {
+         const radixserve_prefix_attention::Partials* pre = nullptr, const int64_t* runs = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = kv.size(1), N = kv.size(2), W = slots.size(0) == 1 ? 0 : slots.size(1);  // row stride
   const int64_t G = H / Hkv;
@@ -368,9 +368,8 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
         }
       }
       if (P > 0) {
-        const int64_t row_head = b * H + h * G;
-        radixserve_prefix_attention::merge_runs(*pre, row_head, G, radixserve_prefix_attention::runs_of(P));
-        merge_prefix(ofl, lb, pre->o(0, row_head), &pre->l(0, row_head), G, D, L);
+        radixserve_prefix_attention::merge_runs(*pre, b, h * G, G, runs[b]);
+        merge_prefix(ofl, lb, pre->o(0, b, h * G), &pre->l(0, b, h * G), G, D, L);
       }
       if constexpr (!std::is_same_v<T, float>) {
         for (int64_t i = 0; i < G * D; ++i) ob[i] = T(ofl[i]);
@@ -447,17 +446,24 @@ std::vector<torch::Tensor> decode_attention(torch::Tensor q, torch::Tensor kv, t
   // The rows are whole either way: groups the prefix kernel cannot take (float32, other heads) are only ignored.
   if (groups.has_value() && groups_supported(q, kv) && !shared) {
     std::vector<radixserve_prefix_attention::Group> list = parse_groups(*groups, sp, lp, B, W);
-    std::vector<int64_t> start(static_cast<size_t>(B), 0);
-    int64_t runs = 1;
+    const int64_t most = radixserve_prefix_attention::plan_runs(list, H / Hkv, Hkv, at::get_num_threads());
+    const auto rows = static_cast<size_t>(B);
+    std::vector<int64_t> start(rows, 0), runs(rows, 0), pos(rows, -1);  // per row
+    int64_t grouped = 0;
     for (const auto& g : list) {
-      for (int64_t b : g.rows) start[b] = g.prefix;
-      runs = std::max(runs, radixserve_prefix_attention::runs_of(g.prefix));
+      for (int64_t b : g.rows) {
+        start[b] = g.prefix;
+        runs[b] = g.runs;
+        pos[b] = grouped++;
+      }
     }
-    // Only grouped rows' entries are written and read (not zeroed).
-    std::unique_ptr<float[]> pre_out(new float[runs * B * H * D]), pre_lse(new float[runs * B * H]);
-    const radixserve_prefix_attention::Partials pre{pre_out.get(), pre_lse.get(), B, H, D};
+    // Kept between calls (a step calls once a layer): only grouped rows' entries are written and read.
+    thread_local std::vector<float> pre_out, pre_lse;
+    pre_out.resize(std::max(pre_out.size(), static_cast<size_t>(most * grouped * H * D)));
+    pre_lse.resize(std::max(pre_lse.size(), static_cast<size_t>(most * grouped * H)));
+    const radixserve_prefix_attention::Partials pre{pre_out.data(), pre_lse.data(), pos.data(), grouped, H, D};
     radixserve_prefix_attention::dispatch(q, kv, list, sc, pre);
-    run<bf16>(q, kv, slots, lens, sc, out, lse, start.data(), &pre);
+    run<bf16>(q, kv, slots, lens, sc, out, lse, start.data(), &pre, runs.data());
   } else if (dtype == torch::kFloat32) {
     run<float>(q, kv, slots, lens, sc, out, lse);
   } else {
@@ -474,7 +480,8 @@ void register_decode_attention(pybind11::module_& parent) {
   m.def("decode_attention", &radixserve_decode_attention::decode_attention,
         "decode attention over pool slots (float32 or bfloat16, CPU); groups: rows that share a prefix, attended "
         "over it together",
-        py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("lens"), py::arg("scale"), py::arg("groups") = py::none(),
+        py::arg("q"), py::arg("kv"), py::arg("slots"), py::arg("lens"), py::arg("scale"),
+        py::arg("groups") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("groups_supported", &radixserve_decode_attention::groups_supported,
         "whether rows that share a prefix can be attended together for these q and kv");

@@ -48,7 +48,8 @@ inline void transpose16(__m512i* r) {
     b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
   }
   for (int m = 0; m < 4; ++m) {  // lane L of b[m], b[4 + m], b[8 + m], b[12 + m]: column 4L + m
-    const __m512i even_lo = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), odd_lo = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xdd);
+    const __m512i even_lo = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88);
+    const __m512i odd_lo = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xdd);
     const __m512i even_hi = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88);
     const __m512i odd_hi = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xdd);
     r[m] = _mm512_shuffle_i32x4(even_lo, even_hi, 0x88);

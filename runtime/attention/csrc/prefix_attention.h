@@ -6,8 +6,8 @@
 // group's rows' queries, up to RMAX (rows times G heads) at once, run flash attention over the prefix together on
 // vdpbf16ps, as prefill does: each block of KB keys is packed into the operand layouts (flash_blocks.h) in a
 // buffer of the task's own, which stays in L1, and each packed block loaded into registers serves 4 query rows.
-// The prefix is split into runs of KEYS_PER_TASK keys (flash-decoding), so that one group's few KV heads still make
-// enough tasks for every core; each task leaves, per (row, query head), its float32 output over its run and the
+// The prefix is split into runs of keys (flash-decoding) where one group's few KV heads would not make enough tasks
+// for every core; each task leaves, per (row, query head), its float32 output over its run and the
 // log-sum-exp of its scaled scores, and the runs are merged exactly. decode_attention then attends each row's own
 // keys after the prefix and merges that in too.
 //
@@ -36,21 +36,43 @@ struct Group {
   int64_t prefix;              // P: the shared prefix's length in keys
   const int64_t* slots;        // its P slots
   std::vector<int64_t> rows;   // the decode rows that share it
+  int64_t runs = 1;            // the runs of keys its prefix is split into (plan_runs)
 };
 
-// A task: up to RMAX query rows (whole rows' G heads: at least one row) over a run of KEYS_PER_TASK keys. A run that
-// long keeps its packing and merging a small share; one group of 16 rows of SmolLM2 (3 KV heads) over a 1,300-token
-// prompt makes 9 tasks.
+// A task: up to RMAX query rows (whole rows' G heads: at least one row) over a run of the prefix's keys.
 constexpr int64_t RMAX = 64;
-constexpr int64_t KEYS_PER_TASK = 8 * KB;
+// Runs are at least this long (packing and merging stay a small share of a task), and a prefix is split into runs
+// only as far as the tasks need to keep every core busy: one group of 16 rows of SmolLM2 (3 KV heads, so 3 tasks
+// unsplit) over a 1,300-token prompt makes 9 tasks on 2 cores; a step of many groups or rows is not split at all.
+constexpr int64_t MIN_RUN_KEYS = 8 * KB;
+constexpr int64_t TASKS_PER_THREAD = 4;
 
-// What a task leaves per (row, query head, run): its float32 output over the run, normalized, and its log-sum-exp.
+// Members of a group per task: whole rows' G query heads, RMAX query rows at most (G <= 8: see supports).
+inline int64_t members_per_task(int64_t G) { return std::max<int64_t>(1, RMAX / G); }
+
+// Sets each group's runs for ``threads`` cores; returns the most runs of any group.
+inline int64_t plan_runs(std::vector<Group>& groups, int64_t G, int64_t Hkv, int64_t threads) {
+  int64_t unsplit = 0;  // tasks with every prefix in one run
+  for (const Group& g : groups)
+    unsplit += Hkv * ((static_cast<int64_t>(g.rows.size()) + members_per_task(G) - 1) / members_per_task(G));
+  const int64_t want = (TASKS_PER_THREAD * threads + unsplit - 1) / std::max<int64_t>(1, unsplit);
+  int64_t most = 1;
+  for (Group& g : groups) {
+    g.runs = std::max<int64_t>(1, std::min(want, (g.prefix + MIN_RUN_KEYS - 1) / MIN_RUN_KEYS));
+    most = std::max(most, g.runs);
+  }
+  return most;
+}
+
+// What a task leaves per (grouped row, query head, run): its float32 output over the run, normalized, and its
+// log-sum-exp. Rows are indexed by ``pos`` (a grouped row's place among them; B entries).
 struct Partials {
-  float* out;    // [runs, B, H, D]
-  float* lse;    // [runs, B, H]
-  int64_t B, H, D;
-  float* o(int64_t run, int64_t row_head) const { return out + (run * B * H + row_head) * D; }
-  float& l(int64_t run, int64_t row_head) const { return lse[run * B * H + row_head]; }
+  float* out;           // [runs, rows, H, D]
+  float* lse;           // [runs, rows, H]
+  const int64_t* pos;   // [B]
+  int64_t rows, H, D;
+  float* o(int64_t run, int64_t b, int64_t head) const { return out + ((run * rows + pos[b]) * H + head) * D; }
+  float& l(int64_t run, int64_t b, int64_t head) const { return lse[(run * rows + pos[b]) * H + head]; }
 };
 
 #ifdef RADIXSERVE_FLASH
@@ -148,20 +170,18 @@ void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t row_head = rows[r / G] * H + h * G + r % G;
+    const int64_t b = rows[r / G], head = h * G + r % G;
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(l_run + r * 16));
     const __m512 inv = _mm512_set1_ps(1.0f / l);
-    float* dst = parts.o(run, row_head);
-    for (int k = 0; k < ND; ++k) _mm512_storeu_ps(dst + k * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + k * 16), inv));
-    parts.l(run, row_head) = m_run[r] * scale + std::log(l);
+    float* dst = parts.o(run, b, head);
+    for (int k = 0; k < ND; ++k)
+      _mm512_storeu_ps(dst + k * 16, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + k * 16), inv));
+    parts.l(run, b, head) = m_run[r] * scale + std::log(l);
   }
 }
 
-// The runs a group's prefix of P keys is attended in.
-inline int64_t runs_of(int64_t P) { return (P + KEYS_PER_TASK - 1) / KEYS_PER_TASK; }
-
-// Every group's prefix attention, run by run, into ``parts`` (runs_of(P) runs for a group of prefix P). q [B, H, D],
-// kv [2, Hkv, N, D] bfloat16.
+// Every group's prefix attention, run by run (``plan_runs`` set them), into ``parts``. q [B, H, D], kv [2, Hkv, N, D]
+// bfloat16.
 template <int ND>
 void run(const torch::Tensor& q, const torch::Tensor& kv, const std::vector<Group>& groups, float scale,
          const Partials& parts) {
@@ -171,19 +191,19 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const std::vector<Grou
   const auto* kp = reinterpret_cast<const uint16_t*>(kv.data_ptr());
   const uint16_t* vp = kp + Hkv * N * D;
   std::vector<std::array<int64_t, 5>> tasks;  // (group, head, first member, members, run)
-  const int64_t per_task = std::max<int64_t>(1, RMAX / G);  // G <= 8 (supports): members * G <= RMAX
+  const int64_t per_task = members_per_task(G);
   for (int64_t gi = 0; gi < static_cast<int64_t>(groups.size()); ++gi) {
     const int64_t members = static_cast<int64_t>(groups[gi].rows.size());
     for (int64_t h = 0; h < Hkv; ++h)
       for (int64_t k0 = 0; k0 < members; k0 += per_task)
-        for (int64_t r = 0; r < runs_of(groups[gi].prefix); ++r)
-          tasks.push_back({gi, h, k0, std::min(per_task, members - k0), r});
+        for (int64_t r = 0; r < groups[gi].runs; ++r) tasks.push_back({gi, h, k0, std::min(per_task, members - k0), r});
   }
   radixserve_balanced::balanced_for(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end, int64_t) {
     for (int64_t t = begin; t < end; ++t) {
       const auto [gi, h, k0, n, r] = tasks[t];
       const Group& g = groups[gi];
-      const int64_t kb0 = r * KEYS_PER_TASK / KB, kb1 = std::min((r + 1) * KEYS_PER_TASK, g.prefix + KB - 1) / KB;
+      // Run r of the group's blocks of keys (whole blocks, as even as they go).
+      const int64_t blocks = (g.prefix + KB - 1) / KB, kb0 = r * blocks / g.runs, kb1 = (r + 1) * blocks / g.runs;
       attend_prefix<ND>(qp, H, G, h, g.rows.data() + k0, n, kp + h * N * D, vp + h * N * D, g.slots, g.prefix, kb0,
                         kb1, scale, parts, r);
     }
@@ -191,17 +211,17 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const std::vector<Grou
 }
 #endif
 
-// Run 0 of ``parts`` becomes the merge of a row's runs (``runs`` of them), for its G query heads from ``row_head``.
-inline void merge_runs(const Partials& parts, int64_t row_head, int64_t G, int64_t runs) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* o = parts.o(0, row_head + g);
-    float& l = parts.l(0, row_head + g);
+// Run 0 of ``parts`` becomes the merge of row b's ``runs`` runs, for its G query heads from ``head``.
+inline void merge_runs(const Partials& parts, int64_t b, int64_t head, int64_t G, int64_t runs) {
+  for (int64_t g = head; g < head + G; ++g) {
+    float* o = parts.o(0, b, g);
+    float& l = parts.l(0, b, g);
     for (int64_t r = 1; r < runs; ++r) {
-      const float lr = parts.l(r, row_head + g), m = std::max(l, lr);
-      const float a = std::exp(l - m), b = std::exp(lr - m), inv = 1.0f / (a + b);
-      const float* other = parts.o(r, row_head + g);
-      for (int64_t d = 0; d < parts.D; ++d) o[d] = (a * o[d] + b * other[d]) * inv;
-      l = m + std::log(a + b);
+      const float lr = parts.l(r, b, g), m = std::max(l, lr);
+      const float x = std::exp(l - m), y = std::exp(lr - m), inv = 1.0f / (x + y);
+      const float* other = parts.o(r, b, g);
+      for (int64_t d = 0; d < parts.D; ++d) o[d] = (x * o[d] + y * other[d]) * inv;
+      l = m + std::log(x + y);
     }
   }
 }
