@@ -58,8 +58,6 @@ using radixserve_flash::KB;  // keys per block of the online softmax (4 tiles of
 constexpr bool kFast = true;
 
 using bf16 = c10::BFloat16;
-using radixserve_flash::block_scores;
-using radixserve_flash::block_values;
 using radixserve_flash::exp2v;
 using radixserve_flash::pack_block;
 
@@ -127,12 +125,12 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
                   int64_t i0, int64_t window, float scale, const uint32_t* kt, const uint32_t* vt, uint16_t* out) {
   constexpr int D = ND * 16, DP = D / 2;
   constexpr int MRS = 4;            // score rows per register block: 16 accumulators + 4 key registers
-  constexpr int MRV = 16 / ND;      // value rows per register block: 16 accumulators + ND value registers
   constexpr int RMAX = QB * MAX_GS;
   const int64_t n_pos = std::min(QB, sq.q_len - i0);
   const int64_t R = n_pos * GS;
   constexpr bool TILES = !std::is_same_v<P, Vector>;
-  const int64_t Rp = TILES ? (R + 15) / 16 * 16 : (R + 3) / 4 * 4;  // a multiple of MRS and MRV (or of 16)
+  // A multiple of MRS and of values_rows' 16 / ND rows (or of 16).
+  const int64_t Rp = TILES ? (R + 15) / 16 * 16 : (R + 3) / 4 * 4;
   alignas(64) static thread_local float s[RMAX * KB];
   alignas(64) static thread_local uint16_t pb[RMAX * KB];
   alignas(64) static thread_local float o[RMAX * D];
@@ -181,14 +179,7 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
     if constexpr (TILES) {
       tile_scores<P, DP>(qa, Rp, ktb, nt, s);
     } else {
-      for (int64_t r = 0; r < Rp; r += MRS) {
-        switch (nt) {
-          case 1: block_scores<DP, MRS, 1>(qrows + r, ktb, s + r * KB); break;
-          case 2: block_scores<DP, MRS, 2>(qrows + r, ktb, s + r * KB); break;
-          case 3: block_scores<DP, MRS, 3>(qrows + r, ktb, s + r * KB); break;
-          default: block_scores<DP, MRS, 4>(qrows + r, ktb, s + r * KB); break;
-        }
-      }
+      radixserve_flash::scores_rows<DP, MRS>(qrows, Rp, ktb, nt, s);
     }
     // A block needs a mask where some key of it lies after a row's position or before its window.
     const bool full = (kb + 1) * KB - 1 <= first_pos + i0 && (window == 0 || kb * KB > last - window);
@@ -224,30 +215,12 @@ void attend_block(const uint16_t* q, int64_t H, int64_t G, int64_t h, int64_t g0
         std::memset(pr, 0, KB * sizeof(uint16_t));
         continue;
       }
-      const float* sr = s + r * KB;
-      const __m512 m = _mm512_set1_ps(mc[r]);
-      __m512 sum = _mm512_setzero_ps();
-      for (int t = 0; t < 4; ++t) {
-        const __m512 e = exp2v(_mm512_fmsub_ps(_mm512_loadu_ps(sr + t * 16), cv, m));
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh rounded = _mm512_cvtneps_pbh(e);
-        std::memcpy(pr + t * 16, &rounded, sizeof(rounded));
-      }
-      float* lr = l_run + r * 16;
-      _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r]), sum));
+      radixserve_flash::weights_row(s + r * KB, cv, mc[r], alpha[r], pr, l_run + r * 16);
     }
     if constexpr (TILES) {
       tile_values<P, ND>(pb, alpha, Rp, vtb, nt, o);
-      continue;
-    }
-    for (int64_t r = 0; r < Rp; r += MRV) {
-      const uint32_t* prow[MRV];
-      float* orow[MRV];
-      for (int m = 0; m < MRV; ++m) {
-        prow[m] = reinterpret_cast<const uint32_t*>(pb + (r + m) * KB);
-        orow[m] = o + (r + m) * D;
-      }
-      block_values<ND, MRV>(prow, alpha + r, vtb, orow, nt * 8);
+    } else {
+      radixserve_flash::values_rows<ND>(pb, alpha, Rp, vtb, nt, o);
     }
   }
   if constexpr (TILES) P::release();

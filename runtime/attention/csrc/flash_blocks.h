@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 namespace radixserve_flash {
@@ -155,6 +156,50 @@ inline __m512 exp2v(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(L));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// Scores of rows [0, Rp) (Rp a multiple of MR) against the first nt tiles of a packed block of keys.
+template <int DP, int MR>
+inline void scores_rows(const uint32_t* const* qrows, int64_t Rp, const uint32_t* kt, int nt, float* s) {
+  for (int64_t r = 0; r < Rp; r += MR) {
+    switch (nt) {
+      case 1: block_scores<DP, MR, 1>(qrows + r, kt, s + r * KB); break;
+      case 2: block_scores<DP, MR, 2>(qrows + r, kt, s + r * KB); break;
+      case 3: block_scores<DP, MR, 3>(qrows + r, kt, s + r * KB); break;
+      default: block_scores<DP, MR, 4>(qrows + r, kt, s + r * KB); break;
+    }
+  }
+}
+
+// One row's weights over a block, for the online softmax: p = 2^(cv s - mc) of its KB scores ``sr`` (masked ones
+// -inf), rounded to bfloat16 into ``pr`` for the product with the values; its per-lane running sums ``lr`` rescaled
+// by ``alpha`` and increased by the unrounded weights.
+inline void weights_row(const float* sr, __m512 cv, float mc, float alpha, uint16_t* pr, float* lr) {
+  const __m512 m = _mm512_set1_ps(mc);
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < 4; ++t) {
+    const __m512 e = exp2v(_mm512_fmsub_ps(_mm512_loadu_ps(sr + t * 16), cv, m));
+    sum = _mm512_add_ps(sum, e);
+    const __m256bh rounded = _mm512_cvtneps_pbh(e);
+    std::memcpy(pr + t * 16, &rounded, sizeof(rounded));
+  }
+  _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha), sum));
+}
+
+// o[r] = o[r] * alpha[r] + P[r] . V for rows [0, Rp) (a multiple of 16 / ND): weights ``pb`` (rows of KB), outputs
+// ``o`` (rows of ND * 16 float32), over the first nt tiles of a packed block of values.
+template <int ND>
+inline void values_rows(const uint16_t* pb, const float* alpha, int64_t Rp, const uint32_t* vt, int nt, float* o) {
+  constexpr int MRV = 16 / ND;  // rows per register block: 16 accumulators + ND value registers
+  for (int64_t r = 0; r < Rp; r += MRV) {
+    const uint32_t* prow[MRV];
+    float* orow[MRV];
+    for (int m = 0; m < MRV; ++m) {
+      prow[m] = reinterpret_cast<const uint32_t*>(pb + (r + m) * KB);
+      orow[m] = o + (r + m) * ND * 16;
+    }
+    block_values<ND, MRV>(prow, alpha + r, vt, orow, nt * 8);
+  }
 }
 
 #endif

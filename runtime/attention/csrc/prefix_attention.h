@@ -76,8 +76,6 @@ struct Partials {
 };
 
 #ifdef RADIXSERVE_FLASH
-using radixserve_flash::block_scores;
-using radixserve_flash::block_values;
 using radixserve_flash::exp2v;
 
 // Rows r = k * G + g (member k of ``rows``, query head h * G + g) over keys [kb0, kb1) * KB of the group's P
@@ -87,8 +85,7 @@ void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int
                    const uint16_t* keys, const uint16_t* values, const int64_t* slots, int64_t P, int64_t kb0,
                    int64_t kb1, float scale, const Partials& parts, int64_t run) {
   constexpr int D = ND * 16, DP = D / 2;
-  constexpr int MRS = 4;        // score rows per register block
-  constexpr int MRV = 16 / ND;  // value rows per register block (a divisor of MRS)
+  constexpr int MRS = 4;  // score rows per register block (a multiple of values_rows' 16 / ND)
   constexpr int LINES = D * 2 / 64;  // cache lines of a key's (or a value's) row
   const int64_t R = n_rows * G;
   const int64_t Rp = (R + MRS - 1) / MRS * MRS;
@@ -97,7 +94,7 @@ void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int
   alignas(64) static thread_local float o[RMAX * D];
   alignas(64) static thread_local uint32_t kt[KB * DP], vt[KB * D / 2];  // this block's keys and values, packed
   alignas(64) static const uint32_t zero_q[D / 2] = {};
-  alignas(64) float m_run[RMAX], l_run[RMAX * 16], alpha[RMAX], mc[RMAX];
+  alignas(64) float m_run[RMAX], l_run[RMAX * 16], alpha[RMAX];
   const uint32_t* qrows[RMAX];
   for (int64_t r = 0; r < Rp; ++r) {
     qrows[r] = r < R ? reinterpret_cast<const uint32_t*>(q + (rows[r / G] * H + h * G + r % G) * D) : zero_q;
@@ -119,14 +116,7 @@ void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int
     radixserve_flash::pack_block(keys, values, slots, kb * KB, P, D, kt, vt);
     const int64_t here = std::min<int64_t>(KB, P - kb * KB);  // keys of this block (the last may be partial)
     const int nt = static_cast<int>((here + 15) / 16);          // tiles of 16 keys that hold any
-    for (int64_t r = 0; r < Rp; r += MRS) {
-      switch (nt) {
-        case 1: block_scores<DP, MRS, 1>(qrows + r, kt, s + r * KB); break;
-        case 2: block_scores<DP, MRS, 2>(qrows + r, kt, s + r * KB); break;
-        case 3: block_scores<DP, MRS, 3>(qrows + r, kt, s + r * KB); break;
-        default: block_scores<DP, MRS, 4>(qrows + r, kt, s + r * KB); break;
-      }
-    }
+    radixserve_flash::scores_rows<DP, MRS>(qrows, Rp, kt, nt, s);
     const __m512i limit = _mm512_set1_epi32(static_cast<int>(here));
     for (int64_t r = 0; r < Rp; ++r) {
       float* sr = s + r * KB;
@@ -146,28 +136,9 @@ void attend_prefix(const uint16_t* q, int64_t H, int64_t G, int64_t h, const int
                      ? 1.0f
                      : _mm512_cvtss_f32(exp2v(_mm512_set1_ps((m_run[r] - m_new) * c)));
       m_run[r] = m_new;
-      mc[r] = m_new * c;
-      const __m512 m = _mm512_set1_ps(mc[r]);
-      __m512 sum = _mm512_setzero_ps();
-      uint16_t* pr = pb + r * KB;
-      for (int t = 0; t < 4; ++t) {
-        const __m512 e = exp2v(_mm512_fmsub_ps(_mm512_loadu_ps(sr + t * 16), cv, m));
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh rounded = _mm512_cvtneps_pbh(e);
-        std::memcpy(pr + t * 16, &rounded, sizeof(rounded));
-      }
-      float* lr = l_run + r * 16;
-      _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(alpha[r]), sum));
+      radixserve_flash::weights_row(sr, cv, m_new * c, alpha[r], pb + r * KB, l_run + r * 16);
     }
-    for (int64_t r = 0; r < Rp; r += MRV) {
-      const uint32_t* prow[MRV];
-      float* orow[MRV];
-      for (int m = 0; m < MRV; ++m) {
-        prow[m] = reinterpret_cast<const uint32_t*>(pb + (r + m) * KB);
-        orow[m] = o + (r + m) * D;
-      }
-      block_values<ND, MRV>(prow, alpha + r, vt, orow, nt * 8);
-    }
+    radixserve_flash::values_rows<ND>(pb, alpha, Rp, vt, nt, o);
   }
   for (int64_t r = 0; r < R; ++r) {
     const int64_t b = rows[r / G], head = h * G + r % G;
