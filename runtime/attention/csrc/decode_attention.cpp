@@ -11,6 +11,11 @@
 //   slots  [B, W] or [1, W]     each row's slots, first lens[b] valid (the rest is padding, never read); one row
 //                               for all: the queries of one prefill chunk, each seeing a prefix of its keys
 //   lens   [B]
+//   groups [B, 2] (optional) per row: its group (an id below B) or -1, and the group's prefix length. Rows of a group
+//                               start with the same slots (one radix-tree node): in bfloat16 with AVX-512 BF16 they
+//                               attend that prefix together (prefix_attention.h, products on vdpbf16ps, weights
+//                               rounded to bfloat16 as prefill does), then their own keys here, merged; elsewhere
+//                               groups are ignored (the rows are whole either way).
 // Returns out [B, H, D] in q's dtype (softmax-weighted values) and lse [B, H] float32 (log-sum-exp of the scaled
 // scores), so a caller can merge this partial result with attention over other keys (cascade attention over a
 // shared prefix). Whatever the storage dtype, every product and sum is float32 (bfloat16 is widened on load, which
