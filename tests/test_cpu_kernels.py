@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from radixserve.runtime.attention import cpu_kernels
 from radixserve.runtime.attention.cpu_kernels import decode_attention_op, reference_decode_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel")
@@ -181,25 +182,6 @@ def test_the_pool_stores_a_chunks_keys_and_values_as_index_copy_does(dtype: torc
     assert torch.equal(pool.layers, want)
 
 
-def _grouped_rows(gen: torch.Generator, spec: list[tuple[int, int, int]], n_slots: int):  # noqa: ANN202
-    """Slot rows for (group or -1, prefix length, own keys) per row: a group's rows start with the same slots."""
-    order = torch.randperm(n_slots, generator=gen)
-    prefixes: dict[int, torch.Tensor] = {}
-    used = 0
-    for g, p, _ in spec:
-        if g >= 0 and g not in prefixes:
-            prefixes[g], used = order[used : used + p], used + p
-    tables = []
-    for g, _, own in spec:
-        tables.append(torch.cat([prefixes[g] if g >= 0 else order[:0], order[used : used + own]]))
-        used += own
-    lens = torch.tensor([len(t) for t in tables])
-    slots = torch.zeros(len(spec), int(lens.max()), dtype=torch.int64)
-    for i, t in enumerate(tables):
-        slots[i, : len(t)] = t
-    return slots, lens, torch.tensor([[g, p] for g, p, _ in spec])
-
-
 # (query heads, KV heads, head size) the shared-prefix kernel takes; rows as (group, prefix length, own keys):
 # prefixes within one block of keys, over several, over several runs of keys (merged), rows with none of their
 # own, rows in no group, and more rows than one task holds (64 query rows).
@@ -221,7 +203,7 @@ def test_rows_that_share_a_prefix_attend_it_together(op, heads: tuple[int, int, 
     n_heads, kv_heads, dim = heads
     gen = torch.Generator().manual_seed(dim + len(rows))
     kv = torch.randn(2, kv_heads, 3000, dim, generator=gen).bfloat16()
-    slots, lens, groups = _grouped_rows(gen, rows, 3000)
+    slots, lens, groups = cpu_kernels.grouped_rows(rows, 3000, gen)
     q = torch.randn(len(rows), n_heads, dim, generator=gen).bfloat16()
     whole_out, whole_lse = op(q, kv, slots, lens, dim**-0.5)
     out, lse = op(q, kv, slots, lens, dim**-0.5, groups)
@@ -242,7 +224,7 @@ def test_rows_that_share_a_prefix_attend_it_together(op, heads: tuple[int, int, 
 def test_groups_the_prefix_kernel_cannot_take_are_ignored(op) -> None:
     """float32, or more than 8 query heads per KV head: the rows are whole anyway, so groups change nothing."""
     gen = torch.Generator().manual_seed(3)
-    slots, lens, groups = _grouped_rows(gen, [(0, 100, 2)] * 3, 400)
+    slots, lens, groups = cpu_kernels.grouped_rows([(0, 100, 2)] * 3, 400, gen)
     for dtype, (n_heads, kv_heads) in ((torch.float32, (9, 3)), (torch.bfloat16, (10, 1))):
         kv = torch.randn(2, kv_heads, 400, 64, generator=gen).to(dtype)
         q = torch.randn(3, n_heads, 64, generator=gen).to(dtype)
@@ -252,8 +234,6 @@ def test_groups_the_prefix_kernel_cannot_take_are_ignored(op) -> None:
 
 def test_the_shared_prefix_check_fails_a_wrong_merge(op) -> None:  # noqa: ANN001
     """The start-up check of ``prefix_groups_op`` passes the kernel and fails one whose grouped rows are off."""
-    from radixserve.runtime.attention import cpu_kernels
-
     if cpu_kernels.prefix_groups_op() is None:
         pytest.skip("no AVX-512 BF16: rows are attended whole")
     assert cpu_kernels._self_check_groups(op)
@@ -270,7 +250,6 @@ def test_the_shared_prefix_check_fails_a_wrong_merge(op) -> None:  # noqa: ANN00
 
 def test_prefix_groups_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """``RADIXSERVE_PREFIX_GROUPS=0``: no grouped kernel, so the backend attends every row over its whole keys."""
-    from radixserve.runtime.attention import cpu_kernels
     from radixserve.runtime.attention.torch_ref import TorchReferenceBackend
 
     monkeypatch.setenv("RADIXSERVE_PREFIX_GROUPS", "0")

@@ -99,25 +99,39 @@ def decode_attention_op() -> DecodeAttention | None:
     return _checked(module.decode_attention.decode_attention, _self_check, "decode-attention", "PyTorch ops")
 
 
+def grouped_rows(
+    spec: list[tuple[int, int, int]], n_slots: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slots, lens, groups) for rows given as (group or -1, prefix length, own keys), at random distinct slots of a
+    pool of ``n_slots``: a group's rows start with the same slots (for checks and tests of ``groups``)."""
+    order = torch.randperm(n_slots, generator=gen)
+    prefixes: dict[int, torch.Tensor] = {}
+    used = 0
+    for g, p, _ in spec:
+        if g >= 0 and g not in prefixes:
+            prefixes[g], used = order[used : used + p], used + p
+    tables = []
+    for g, _, own in spec:
+        tables.append(torch.cat([prefixes[g] if g >= 0 else order[:0], order[used : used + own]]))
+        used += own
+    lens = torch.tensor([len(t) for t in tables])
+    slots = torch.zeros(len(spec), int(lens.max()), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        slots[i, : len(t)] = t
+    return slots, lens, torch.tensor([[g, p] for g, p, _ in spec])
+
+
 def _self_check_groups(op: DecodeAttention) -> bool:
     """Rows that share a prefix, attended over it together (``groups``), against the same rows whole: groups of
     several sizes and prefix lengths (within one block of keys, over several, a block and one key), rows with no
     keys of their own past the prefix, a row in no group, every head size the prefix kernel has."""
     gen = torch.Generator().manual_seed(0)
+    # (group, prefix length, own keys) per row
+    spec = [(0, 65, 3), (0, 65, 0), (1, 130, 20), (-1, 0, 37), (0, 65, 1), (1, 130, 1), (2, 7, 5), (2, 7, 1)]
     for heads, kv_heads, dim in ((9, 3, 64), (8, 8, 128), (12, 2, 96), (8, 1, 256)):
         kv = torch.randn(2, kv_heads, 400, dim, generator=gen).bfloat16()
-        order = torch.randperm(400, generator=gen)
-        # (group, prefix length, own keys) per row
-        rows = [(0, 65, 3), (0, 65, 0), (1, 130, 20), (-1, 0, 37), (0, 65, 1), (1, 130, 1), (2, 7, 5), (2, 7, 1)]
-        prefixes = {0: order[:65], 1: order[65:195], 2: order[195:202]}
-        own = iter(order[202:270].split([n for _, _, n in rows]))
-        table = [torch.cat([prefixes[g] if g >= 0 else order[:0], next(own)]) for g, _, _ in rows]
-        lens = torch.tensor([len(t) for t in table])
-        slots = torch.zeros(len(rows), int(lens.max()), dtype=torch.int64)
-        for i, t in enumerate(table):
-            slots[i, : len(t)] = t
-        groups = torch.tensor([[g, p] for g, p, _ in rows])
-        q = torch.randn(len(rows), heads, dim, generator=gen).bfloat16()
+        slots, lens, groups = grouped_rows(spec, 400, gen)
+        q = torch.randn(len(spec), heads, dim, generator=gen).bfloat16()
         out, lse = op(q, kv, slots, lens, dim**-0.5, groups)
         ref_out, ref_lse = reference_decode_attention(q, kv, slots, lens, dim**-0.5)
         if not (torch.allclose(out.float(), ref_out.float(), rtol=2e-2, atol=2e-2)

@@ -3,7 +3,7 @@ PyTorch over the paged pool.
 
 The layers that need it (Mistral's and Phi-3's windows, Gemma's local layers, scale and soft-cap) take this path;
 plain layers keep the fast paths of ``torch_ref``. Decode rows are attended together over one gather of their
-whole rows (a shared prefix put back in front, ``_full_rows``), each query masked to its own keys and window;
+whole rows (a shared prefix put back in front, ``slot_rows.full_rows``), each query masked to its own keys and window;
 prefill chunks one sequence at a time, with an explicit mask. Without soft-capping the work goes to SDPA with that
 mask; with it, scores are formed, capped and normalized here.
 

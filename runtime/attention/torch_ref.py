@@ -12,11 +12,11 @@ already in the ``[rows * kv_heads, tokens, head_dim]`` layout that one ``bmm`` r
 ``embedding_bag`` sums the values weighted by the probabilities straight from the pool. On CPU in float32 the
 compiled kernel of ``cpu_kernels`` does a decode row's whole attention reading the pool in place instead, in
 float32 and bfloat16 (opt in with ``cpu_kernels=True``; the engine does for CPU models); the PyTorch ops stay the
-reference. The kernel takes whole rows (shared prefix put back in front, see ``_full_rows``): reading the prefix in
-place beat the PyTorch cascade's gather and merges on CPU. In bfloat16 on a CPU with AVX-512 BF16 it is also told
-each row's group (``_group_table``) and attends a group's shared prefix once for all its rows, on ``vdpbf16ps``,
-merged with each row's own keys (``prefix_groups_op``; not with ``deterministic``, where a row's result must not
-depend on which other rows share its step). In bfloat16
+reference. The kernel takes whole rows (shared prefix put back in front, see ``slot_rows.full_rows``): reading
+the prefix in place beat the PyTorch cascade's gather and merges on CPU. In bfloat16 on a CPU with AVX-512 BF16 it
+is also told each row's group (``slot_rows.group_table``) and attends a group's shared prefix once for all its rows,
+on ``vdpbf16ps``, merged with each row's own keys (``prefix_groups_op``; not with ``deterministic``, where a row's
+result must not depend on which other rows share its step). In bfloat16
 on a CPU with AVX-512 BF16 and no AMX, every long prefill chunk of a step goes to ``cpu_kernels``' prefill kernel
 in one call instead of SDPA, its cached prefix read in place (no gather, no mask).
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from radixserve.runtime.attention import cpu_kernels
+from radixserve.runtime.attention import cpu_kernels, slot_rows
 from radixserve.runtime.attention.base import (
     PLAIN,
     AttentionBackend,
@@ -62,7 +62,7 @@ class _DecodeLayout:
     slots: torch.Tensor  # [B, L] each row's slots, padded
     lens: torch.Tensor  # [B] int64, each row's real length
     width: int  # L, the padded row length
-    prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``_kv_rows`` of its prefix slots
+    prefix_index: tuple[torch.Tensor, ...]  # per prefix group, ``slot_rows.kv_rows`` of its prefix slots
     # For the compiled kernel: each row's (prefix group or -1, prefix length), where it attends groups together.
     groups: torch.Tensor | None
     # For the PyTorch path only (None when the compiled kernel attends):
@@ -76,7 +76,7 @@ class _DecodeLayout:
 @dataclass
 class _StepState:
     decode: _DecodeLayout | None
-    extend_index: tuple[torch.Tensor | None, ...]  # per extend with a cached prefix, ``_kv_rows`` of its slots
+    extend_index: tuple[torch.Tensor | None, ...]  # per extend with a cached prefix, ``slot_rows.kv_rows`` of its slots
     whole_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # for layers with options (``masked``)
     # Per extend: (slot table, lengths) when its queries run as decode rows of the kernel (``SHORT_EXTEND``).
     short_extends: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
@@ -84,71 +84,6 @@ class _StepState:
     # The chunks the bfloat16 prefill kernel attends, in one call: (slots, seqs) as ``ExtendAttention`` takes them
     # (a row of seqs per chunk); None when no chunk goes to it.
     kernel_extends: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def _query_rows(kv_slots: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A chunk's queries as kernel decode rows: the chunk's slot table, one row the kernel shares among them (a
-    table per query would be q_len x kv_len slots: 512 MB for a 2,048-token chunk after 32K cached tokens), and the
-    length each sees (the query at offset ``i`` of ``q_len`` sees ``kv_len - q_len + i + 1`` keys)."""
-    kv_len = kv_slots.shape[0]
-    lens = torch.arange(kv_len - q_len + 1, kv_len + 1, device=kv_slots.device)
-    return kv_slots.reshape(1, kv_len).contiguous(), lens
-
-
-def _windowed(slots: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's last ``window`` slots (a decode query sees exactly those), left-aligned, and their count."""
-    width = min(window, slots.shape[1])
-    start = (lens - window).clamp(min=0)
-    index = (start[:, None] + torch.arange(width, device=slots.device)[None, :]).clamp(max=slots.shape[1] - 1)
-    return slots.gather(1, index).contiguous(), torch.clamp(lens, max=window)
-
-
-def _kv_rows(slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
-    """Rows of ``pool.kv[layer].view(-1, head_dim)`` holding the keys, then the values, of ``slots``, head by head:
-    gathered, they read as ``[2, Hkv, len(slots), D]``."""
-    starts = torch.arange(2 * pool.num_kv_heads, device=slots.device) * pool.slot_rows
-    return (starts[:, None] + slots.reshape(1, -1)).reshape(-1)
-
-
-def _full_rows(
-    slots: torch.Tensor, lens: torch.Tensor, groups: tuple[PrefixGroup, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode slot tables with each group's shared prefix put back in front of its rows' own slots.
-
-    The compiled kernel reads a row's keys in place, so a shared prefix costs it no gather; read by the rows of a
-    group one after another, the prefix comes from cache after the first (1,300 tokens of SmolLM2's K and V are
-    ~1 MB a layer in bfloat16). Attending to whole rows in one kernel call beat the cascade's per-layer chain of
-    gather, small matmuls and log-sum-exp merges on the 2-core Xeon with AMX (48 requests sharing a 1,300-token
-    prompt, 16 at a time, bfloat16: 79 -> 57 ms a decode step). Padding past a row's length is slot 0, never read."""
-    if not groups:
-        return slots, lens
-    b, width = slots.shape
-    extra = torch.zeros(b, dtype=lens.dtype, device=lens.device)
-    for group in groups:
-        extra[group.rows] = group.prefix_slots.shape[0]
-    full_lens = lens + extra
-    longest = max(group.prefix_slots.shape[0] for group in groups)
-    full = torch.zeros(b, longest + width, dtype=slots.dtype, device=slots.device)
-    grouped = torch.zeros(b, dtype=torch.bool, device=slots.device)
-    for group in groups:
-        p = group.prefix_slots.shape[0]
-        full[group.rows, :p] = group.prefix_slots
-        full[group.rows, p : p + width] = slots[group.rows]
-        grouped[group.rows] = True
-    alone = (~grouped).nonzero().squeeze(1)
-    full[alone, :width] = slots[alone]
-    return full, full_lens
-
-
-def _group_table(rows: int, groups: tuple[PrefixGroup, ...]) -> torch.Tensor:
-    """Per decode row, (its prefix group or -1, the group's prefix length): the compiled kernel's ``groups``, for
-    the whole rows of ``_full_rows``, whose first keys are the group's prefix."""
-    table = torch.full((rows, 2), -1, dtype=torch.int64)
-    table[:, 1] = 0
-    for i, group in enumerate(groups):
-        table[group.rows, 0] = i
-        table[group.rows, 1] = group.prefix_slots.shape[0]
-    return table
 
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -196,15 +131,15 @@ class TorchReferenceBackend(AttentionBackend):
             assert row_lens is not None
             pool_tensor = pool.kv[0]
             if self._decode_kernel is not None and cpu_kernels.applies(pool_tensor.device, pool_tensor.dtype):
-                slots, lens = _full_rows(meta.decode_slots, row_lens, meta.prefix_groups)
+                slots, lens = slot_rows.full_rows(meta.decode_slots, row_lens, meta.prefix_groups)
                 together = self._grouped_kernel is not None and pool_tensor.dtype == torch.bfloat16
-                table = _group_table(b, meta.prefix_groups) if together and meta.prefix_groups else None
+                table = slot_rows.group_table(b, meta.prefix_groups) if together and meta.prefix_groups else None
                 decode = _DecodeLayout(slots, lens, slots.shape[1], (), table, None, None)
             else:
                 mask = meta.mask()
                 assert mask is not None
                 real = mask.reshape(b, width)
-                prefixes = tuple(_kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
+                prefixes = tuple(slot_rows.kv_rows(g.prefix_slots, pool) for g in meta.prefix_groups)
                 bias = torch.zeros(b, width, dtype=torch.float32, device=real.device).masked_fill_(~real, float("-inf"))
                 n_kv = pool.num_kv_heads
                 bias = bias[:, None, None, :].expand(b, n_kv, 1, width).reshape(b * n_kv, 1, width)
@@ -230,7 +165,7 @@ class TorchReferenceBackend(AttentionBackend):
             as_rows = kernel and slots is not None and (self.deterministic or seq.q_len <= SHORT_EXTEND)
             # A short chunk after a cached prefix (a speculative verification, a jump-forward's forced tokens): each
             # query is a decode row of the kernel over the prefix up to itself, read in place (no gather).
-            short.append(_query_rows(slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
+            short.append(slot_rows.query_rows(slots, seq.q_len) if as_rows else None)  # type: ignore[arg-type]
             if bf16_kernel and not as_rows:  # the prefill kernel reads the chunk's keys in place, prefix and all
                 own = meta.out_slots[seq.q_start : seq.q_start + seq.q_len]
                 chunk_slots.append(own if seq.kv_slots is None else seq.kv_slots)
@@ -238,7 +173,7 @@ class TorchReferenceBackend(AttentionBackend):
                 offset += seq.kv_len
                 extends.append(None)
                 continue
-            extends.append(None if seq.kv_slots is None or as_rows else _kv_rows(seq.kv_slots, pool))
+            extends.append(None if seq.kv_slots is None or as_rows else slot_rows.kv_rows(seq.kv_slots, pool))
         in_kernel = None
         if chunk_rows:
             table = torch.tensor(chunk_rows, dtype=torch.int64)
@@ -356,7 +291,7 @@ class TorchReferenceBackend(AttentionBackend):
             slots, lens = self._whole_rows(meta, state) or (None, None)
             assert slots is not None and lens is not None
             if options.window is not None:
-                slots, lens = state.windowed.get(options.window) or _windowed(slots, lens, options.window)
+                slots, lens = state.windowed.get(options.window) or slot_rows.windowed(slots, lens, options.window)
                 state.windowed[options.window] = (slots, lens)
             decoded = kernel(q[:nd].contiguous(), kv, slots, lens, scale)[0]
             if not meta.extends:
@@ -369,7 +304,7 @@ class TorchReferenceBackend(AttentionBackend):
                 assert rows is not None
                 table, lens = rows
                 if options.window is not None:  # (per query: each one's window starts elsewhere)
-                    table, lens = _windowed(table.expand(lens.shape[0], -1), lens, options.window)
+                    table, lens = slot_rows.windowed(table.expand(lens.shape[0], -1), lens, options.window)
                 s, e = seq.q_start, seq.q_start + seq.q_len
                 out[s:e] = kernel(q[s:e].contiguous(), kv, table, lens, scale)[0]
         return out
@@ -382,7 +317,7 @@ class TorchReferenceBackend(AttentionBackend):
         if state.whole_rows is None:
             lens = meta.lens()
             assert meta.decode_slots is not None and lens is not None
-            state.whole_rows = _full_rows(meta.decode_slots, lens, meta.prefix_groups)
+            state.whole_rows = slot_rows.full_rows(meta.decode_slots, lens, meta.prefix_groups)
         return state.whole_rows
 
     def _decode(
@@ -394,7 +329,7 @@ class TorchReferenceBackend(AttentionBackend):
         n_kv = kv.shape[1]
         g = h // n_kv
         qh = q.reshape(b * n_kv, g, d)
-        if layout.key_index is None:  # ``prepare`` chose the compiled kernel, over whole rows (see _full_rows)
+        if layout.key_index is None:  # ``prepare`` chose the compiled kernel, over whole rows (see slot_rows.full_rows)
             assert self._decode_kernel is not None
             return self._decode_kernel(q.contiguous(), kv, layout.slots, layout.lens, d**-0.5, layout.groups)[0]
         keys = self._gather(kv[0], layout.key_index).view(b * n_kv, layout.width, d)
