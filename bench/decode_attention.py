@@ -1,6 +1,7 @@
 """Decode attention in bfloat16 over the KV pool: the compiled kernel (``csrc/decode_attention.cpp``) for a step of
 B rows, over ``--layers`` layers' pools, so that every call reads its keys and values from memory as a served
-decode step does.
+decode step does. The pools are one tensor allocated as the engine's ``KVPool`` is (on CPU on memory advised for
+transparent huge pages; ``RADIXSERVE_KV_HUGE_PAGES=0`` for ``torch.empty``).
 
 Slot layouts (each row's L slots, its prompt then its decoded tokens):
 
@@ -35,6 +36,7 @@ import torch
 
 from bench.common import busy_neighbour, format_table, machine_summary
 from radixserve.runtime.attention.cpu_kernels import decode_attention_op
+from radixserve.runtime.kv_pool import KVPool
 
 
 def layouts(batch: int, length: int, decoded: int) -> dict[str, torch.Tensor]:
@@ -67,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     batch, length, dim = args.batch, args.length, args.head_dim
     decoded = min(args.decoded, length)
     slots_needed = batch * length + batch
-    pools = [torch.randn(2, args.kv_heads, slots_needed, dim).to(torch.bfloat16) for _ in range(args.layers)]
+    pool = KVPool(slots_needed, args.layers, args.kv_heads, dim, torch.bfloat16, torch.device("cpu"))
+    for kv in pool.kv:
+        kv.copy_(torch.randn(kv.shape))
+    pools = pool.kv
     q = torch.randn(batch, args.heads, dim).to(torch.bfloat16)
     lens = torch.full((batch,), length, dtype=torch.int64)
     shared = min(args.shared, length - 1)

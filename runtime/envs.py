@@ -70,6 +70,12 @@ def prefix_groups() -> bool:
     return get_bool("PREFIX_GROUPS", True)
 
 
+def kv_huge_pages() -> bool:
+    """``RADIXSERVE_KV_HUGE_PAGES=0`` allocates a CPU KV pool with ``torch.empty`` instead of on memory advised for
+    transparent huge pages (``runtime.huge_pages``)."""
+    return get_bool("KV_HUGE_PAGES", True)
+
+
 def cpu_kernels() -> bool:
     """``RADIXSERVE_CPU_KERNELS=0`` keeps CPU attention on PyTorch ops instead of the compiled kernels of
     ``runtime.attention.cpu_kernels`` (built once per machine)."""

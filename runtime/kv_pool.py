@@ -11,6 +11,8 @@ import logging
 
 import torch
 
+from radixserve.runtime import envs, huge_pages
+
 logger = logging.getLogger("radixserve.kv")
 
 
@@ -44,7 +46,11 @@ class KVPool:
         shape = (num_layers, 2, num_kv_heads, num_slots + scratch_slots, head_dim)
         # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
         # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
-        self._kv = torch.empty(shape, dtype=dtype, device=device)
+        # On CPU on transparent huge pages: a decode step streams the rows' keys and values (runtime.huge_pages).
+        if device.type == "cpu" and envs.kv_huge_pages():
+            self._kv = huge_pages.empty(shape, dtype)
+        else:
+            self._kv = torch.empty(shape, dtype=dtype, device=device)
         self.kv = list(self._kv.unbind(0))
         self.k = [kv[0].transpose(0, 1) for kv in self.kv]
         self.v = [kv[1].transpose(0, 1) for kv in self.kv]

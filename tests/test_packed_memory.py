@@ -1,5 +1,6 @@
-"""Where packed weights live (``csrc/huge_slabs.h``): back to back in 2 MB-aligned slabs, a slab unmapped once its
-last weight is freed and new weights go elsewhere."""
+"""Where packed weights live (``csrc/huge_slabs.h``): quantized and bfloat16 ones back to back in 2 MB-aligned slabs,
+a slab unmapped once its last weight is freed and new weights go elsewhere, the slab new weights go to filled again
+from its start once its weights are freed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from radixserve.runtime.models import quant
+from radixserve.runtime.models import bf16_kernels, quant
 from radixserve.runtime.models.quant import QTYPES
 
 pytestmark = pytest.mark.skipif(
@@ -53,3 +54,31 @@ def test_a_slab_is_unmapped_once_its_weights_are_freed_and_it_is_no_longer_fille
     del first
     assert _mapping_of(address) is None or _mapping_of(address) != start
     del second
+
+
+def _packed_bf16(n: int, k: int) -> torch.Tensor:
+    return bf16_kernels.packed_ops().pack([torch.randn(n, k).to(torch.bfloat16)], 1)
+
+
+@pytest.mark.skipif(bf16_kernels.packed_ops() is None, reason="the bfloat16 pairs' kernel needs AVX-512 BF16")
+def test_bf16_weights_packed_in_pairs_sit_on_the_slabs_too() -> None:
+    a, b = _packed_bf16(64, 256), _packed_bf16(32, 512)
+    assert a.dtype == torch.bfloat16 and a.shape == (4, 256 * 16)
+    slab = _mapping_of(a.data_ptr())
+    assert slab is not None and slab[0] % (2 << 20) == 0
+    assert _mapping_of(b.data_ptr()) == slab and b.data_ptr() - a.data_ptr() == a.numel() * 2
+
+
+@pytest.mark.skipif(bf16_kernels.packed_ops() is None, reason="the bfloat16 pairs' kernel needs AVX-512 BF16")
+def test_the_slab_new_weights_go_to_is_filled_from_its_start_again_once_emptied() -> None:
+    # What a start-up measurement packs and frees must not leave a hole that the model's weights then skip.
+    whole = _packed_bf16(17408, 2048)  # 71 MB: a slab of its own, full, so the next weight opens a fresh one
+    first = _packed_bf16(64, 256)
+    address = first.data_ptr()
+    assert _mapping_of(address) != _mapping_of(whole.data_ptr())
+    del first
+    again = _packed_bf16(64, 256)
+    assert again.data_ptr() == address  # the fresh slab emptied: handed out from its start again
+    kept = _packed_bf16(64, 256)
+    assert kept.data_ptr() == address + again.numel() * 2  # ...and back to back while a weight lives in it
+    del whole

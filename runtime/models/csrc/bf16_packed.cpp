@@ -27,6 +27,7 @@
 
 #include "../../csrc/balanced.h"
 #include "../../csrc/simd.h"
+#include "huge_slabs.h"
 
 namespace radixserve_bf16_packed {
 
@@ -194,7 +195,9 @@ torch::Tensor pack(std::vector<torch::Tensor> parts, int64_t threads) {
                 "bf16_packed: each weight part [N_i, K] bfloat16, contiguous, N_i % 16 == 0, K % 32 == 0");
     blocks += w.size(0) / 16;
   }
-  auto out = torch::empty({blocks, K * 16}, parts[0].options());
+  // In the huge-page slabs (huge_slabs.h): a decode step streams every weight once. 30 layers of SmolLM2's shapes
+  // streamed from memory, 2-core Zen 4, ms a pass: 1 row 7.26 -> 6.78, 16 rows 13.3 -> 11.3, 64 rows 36.5 -> 34.9.
+  auto out = radixserve_huge_slabs::slabs().empty(blocks, K * 32).view(torch::kBFloat16);
   std::vector<const bf16*> src;
   for (const auto& w : parts)
     for (int64_t r = 0; r < w.size(0); r += 16) src.push_back(w.data_ptr<bf16>() + r * K);

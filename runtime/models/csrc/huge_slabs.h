@@ -1,4 +1,5 @@
-// Memory for packed weights: consecutive in 2 MB-aligned slabs advised for transparent huge pages.
+// Memory for packed weights (quantized and bfloat16): consecutive in 2 MB-aligned slabs advised for transparent
+// huge pages.
 //
 // A one-row decode step streams every weight once, so it takes a TLB miss every 4 KB where a weight sits on 4 KB
 // pages, and the hardware prefetchers stop at each 4 KB boundary. A weight allocated on its own (torch::empty:
@@ -8,10 +9,11 @@
 // one after another from memory, took 90 us each instead of 109 (2-core AMD EPYC Zen 4, docs/benchmarks.md).
 //
 // Invariants: a slab is mapped (never moved) until its last tensor is freed and it is no longer the slab new
-// tensors go to; a tensor never spans two slabs; tensors start on a cache line (the packed layouts keep their
-// loads within lines). Memory a slab never hands out is never touched, so it costs address space, not RAM; what
-// a huge page can waste is the unused part of the one page at a slab's end. Where the kernel has no transparent
-// huge pages (or refuses the advice) the slabs are ordinary pages and nothing else changes.
+// tensors go to; the current slab, once no tensor is left in it, hands out from its start again; a tensor never
+// spans two slabs; tensors start on a cache line (the packed layouts keep their loads within lines). Memory a slab
+// never hands out is never touched, so it costs address space, not RAM; what a huge page can waste is the unused
+// part of the one page at a slab's end. Where the kernel has no transparent huge pages (or refuses the advice) the
+// slabs are ordinary pages and nothing else changes.
 #pragma once
 
 #include <torch/extension.h>
@@ -45,8 +47,9 @@ class Slabs {
       if (current_ == nullptr || current_->used + bytes > current_->size) {
         Slab* fresh = map(std::max(SLAB, (bytes + HUGE - 1) / HUGE * HUGE));
         if (fresh == nullptr) return torch::empty({rows, cols}, torch::dtype(torch::kUInt8));
-        if (current_ != nullptr) release_locked(current_);
+        Slab* old = current_;  // (no longer current when released: unmapped if no tensor is left in it)
         current_ = fresh;
+        if (old != nullptr) release_locked(old);
       }
       slab = current_;
       p = slab->base + slab->used;
@@ -77,8 +80,11 @@ class Slabs {
     release_locked(slab);
   }
 
-  static void release_locked(Slab* slab) {
-    if (--slab->refs > 0) return;
+  void release_locked(Slab* slab) {
+    // The current slab with no tensor left in it is handed out again from its start (the weights a start-up
+    // measurement packed, then freed, leave no hole that the model's weights skip).
+    if (--slab->refs == 1 && slab == current_) slab->used = 0;
+    if (slab->refs > 0) return;
     munmap(slab->base, slab->size);
     delete slab;
   }
