@@ -81,6 +81,9 @@ struct Amx {
     }
   }
   static void load(int t, const void* p, int64_t stride) {
+    // GCC's TILELOADD is an asm with no memory operand: the barrier keeps the kernels' ordinary stores to what a
+    // tile then loads (the prefill kernel's rescaled output, its weights row) before the load, not just by luck.
+    asm volatile("" : : "r"(p) : "memory");
     switch (t) {
       case 0: _tile_loadd(0, p, stride); break;
       case 1: _tile_loadd(1, p, stride); break;
