@@ -5,7 +5,9 @@ of distinct weights (2 by default; more for small shapes, which the caches would
 weights from memory, not from the caches, as a decode step does:
 
 * ``packed``: the AVX-512 BF16 kernel over the weights packed in pairs of K, q/k/v packed from three parts
-  (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX);
+  (``csrc/bf16_packed.cpp``: what the engine runs at every row count on a CPU with AVX-512 BF16 and no AMX), in the
+  kernels' 2 MB slabs as the engine holds them; ``packed 4K``: the same weights copied into torch's own memory
+  (4 KB pages where transparent huge pages are only used when advised);
 * ``kernel``: the dot-product kernel on the plain weights, q/k/v as three parts (``csrc/bf16_linear.cpp``, what the
   engine runs up to ``bf16_kernels.BF16_KERNEL_MAX_ROWS`` rows for a head tied to the embedding);
 * ``packed + silu_mul`` and ``gated``: the packed kernel with the MLP's SiLU-and-mul after the gate/up product, and
@@ -13,7 +15,8 @@ weights from memory, not from the caches, as a decode step does:
 * ``onednn``: oneDNN on prepacked weights (what the engine runs with AMX, and ran everywhere before);
 * ``F.linear``: on the plain weights (the engine's path above the kernel's rows).
 
-Printed: milliseconds per layer (median of 5), each against oneDNN, and the gated layer against the separate one.
+Printed: milliseconds per layer (median of 5), each against oneDNN, the gated layer against the separate one, and
+the packed kernel on huge pages against 4 KB pages.
 
 With ``--checkpoint DIR`` (a bfloat16 safetensors folder) it times instead the kernel at one row over every
 matrix of the checkpoint, mapped from its files as the loader maps them, against the same bytes copied into fresh
@@ -100,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     packed = [{name: torch.ops.mkldnn._reorder_linear_weight(w, 8) for name, w in layer.items()} for layer in plain]
     pairs_ops = packed_ops()
     pairs = [{name: pairs_ops.pack(parts) for name, parts in layer.items()} for layer in layers]
+    # The same packed weights in memory of torch's own (4 KB pages where transparent huge pages are "madvise"), where
+    # pack's are in the kernels' 2 MB slabs.
+    small_pages = [{name: w.clone() for name, w in layer.items()} for layer in pairs]
     none = torch.empty(0)
 
     def run(matmul: Callable[[str, int, torch.Tensor], object], rows: int) -> float:
@@ -122,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     ways: dict[str, Callable[[str, int, torch.Tensor], object]] = {
         "packed": lambda name, n, x: pairs_ops.linear(x, pairs[n][name], none),
+        "packed 4K": lambda name, n, x: pairs_ops.linear(x, small_pages[n][name], none),
         "packed + silu_mul": separate,
         "gated": gated,
         "kernel": lambda name, n, x: kernel(x, layers[n][name], none),
@@ -136,11 +143,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 run(way, rows)
                 ms[name] = statistics.median(run(way, rows) for _ in range(5)) * 1e3
             speed = [ms["onednn"] / ms[n] for n in ("packed", "kernel", "F.linear")]
-            table.append([rows, *(ms[n] for n in ways), *speed, ms["packed + silu_mul"] / ms["gated"]])
+            pages = ms["packed 4K"] / ms["packed"]
+            table.append([rows, *(ms[n] for n in ways), *speed, ms["packed + silu_mul"] / ms["gated"], pages])
     busy = f", busy neighbour {args.busy} ms" if args.busy else ""
     print(f"# one layer of hidden {h}, MLP {i}, KV {kv}, bfloat16, {args.threads} threads{busy}; {machine_summary()}")
-    heads = ["rows", "packed ms", "+ silu_mul ms", "gated ms", "kernel ms", "oneDNN ms", "F.linear ms"]
-    tail = ["packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN", "gated x separate"]
+    heads = ["rows", "packed ms", "packed 4K ms", "+ silu_mul ms", "gated ms", "kernel ms", "oneDNN ms", "F.linear ms"]
+    tail = ["packed x oneDNN", "kernel x oneDNN", "F.linear x oneDNN", "gated x separate", "huge x 4K pages"]
     print(format_table([*heads, *tail], table))
 
 
