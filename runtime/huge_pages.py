@@ -30,7 +30,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     # One huge page more than needed, so that the tensor can start on a boundary whatever address mmap returns.
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no room to map it: torch's allocator tries, and fails with its own message naming the bytes
+        return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # (holds the mapping: unmapped when the last view goes)
     start = -raw.data_ptr() % HUGE_PAGE
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages: ordinary pages, nothing else changes

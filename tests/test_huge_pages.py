@@ -66,3 +66,8 @@ def test_the_cpu_kv_pool_is_on_huge_pages_unless_switched_off(monkeypatch: pytes
     monkeypatch.setattr(huge_pages, "empty", refused)
     monkeypatch.setenv("RADIXSERVE_KV_HUGE_PAGES", "0")
     assert KVPool(8192, 2, 2, 64, torch.bfloat16, CPU).layers.shape == (2, 2, 2, 8192, 64)
+
+
+def test_a_mapping_that_cannot_be_made_fails_as_torch_empty_does() -> None:
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        huge_pages.empty((1 << 46,), torch.float32)  # 256 TiB: more than any address space will map
