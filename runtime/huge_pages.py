@@ -2,13 +2,17 @@
 
 A decode step reads every running sequence's keys and values in every layer. On 4 KB pages that read takes a TLB
 miss (a page walk) every 4 KB and the hardware prefetchers stop at each page boundary; on 2 MB pages neither
-happens. 16 rows of SmolLM2's heads over 663 slots, 30 layers, 2-core Zen 4: 14.5 -> 13.1 ms and 10.2 -> 9.3 ms a
-step in two runs (docs/benchmarks.md). Packed weights get the same from the kernels' slabs (``huge_slabs.h``).
+happens. 16 rows of SmolLM2's heads over 663 slots, 30 layers, 2-core Zen 4 (``bench/decode_attention.py``):
+9.05-10.28 ms a step on 4 KB pages, 7.66-7.90 ms on huge pages (docs/benchmarks.md). Packed weights get the same
+from the kernels' slabs (``huge_slabs.h``).
 
 Linux lets a process ask for huge pages per range (``madvise(MADV_HUGEPAGE)``, honoured when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``). Pages are still committed on first
 touch, 2 MB at a time: a pool costs RAM as it fills, as on 4 KB pages, plus at most one partly used 2 MB page per
-(layer, keys or values, KV head) region. ``RADIXSERVE_KV_HUGE_PAGES=0`` puts the pool on ``torch.empty`` instead.
+(layer, keys or values, KV head) region. Where the host backs a VM's memory on first use, a huge page the guest has
+never used costs more to touch the first time (on the reference VM 0.9 GB/s against 4.5 for 4 KB pages, 20 once
+reused): a fresh server pays it once per page as its pool first fills. ``RADIXSERVE_KV_HUGE_PAGES=0`` puts the pool
+on ``torch.empty`` instead.
 """
 
 from __future__ import annotations
