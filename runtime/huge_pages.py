@@ -30,7 +30,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized CPU tensor of ``shape`` starting on a 2 MB boundary of a private anonymous mapping advised
     for huge pages (ordinary pages where the kernel refuses the advice); ``torch.empty`` for less than one huge page
     or where ``mmap`` has no such advice. The mapping lives as long as the tensor (and its views)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     # One huge page more than needed, so that the tensor can start on a boundary whatever address mmap returns.

@@ -85,13 +85,14 @@ inline void prefetch_row_l2(const T* row) {
   for (int c = 0; c < LINES; ++c) _mm_prefetch(p + c * 64, _MM_HINT_T1);
 }
 
-// What a thread will likely read next: the keys of its next (row, KV head) task. The last FAR rows of the keys'
-// pass ask for the first values into L2, and the last FAR of the values' pass for the next task's first keys, so
-// that a pass does not start on an empty pipeline (it would wait out DRAM latency on its first rows). 16 rows of 663
+// A (row, KV head) task's keys: its KV head's, at its slots after the group's prefix (if any). attend_one is given
+// the next task's too (what its thread will likely read next): the last FAR rows of the keys' pass ask for the
+// first values into L2, and the last FAR of the values' pass for the next task's first keys, so that a pass does
+// not start on an empty pipeline (it would wait out DRAM latency on its first rows). 16 rows of 663
 // slots, SmolLM2's heads, 30 layers, 2-core Zen 4: 7.55-8.78 -> 6.52-6.57 ms a step (37-38 GB/s, this machine's
 // read bandwidth); one row of 4,000 slots as before (few passes).
 template <typename T>
-struct Next {
+struct TaskKeys {
   const T* keys = nullptr;
   const int64_t* slots = nullptr;
   int64_t L = 0;
@@ -101,7 +102,7 @@ struct Next {
 // float32 (the caller rounds it to the storage dtype).
 template <int ND, int G, typename T>
 void attend_one(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t L,
-                float scale, float* scores, float* out, float* lse, const Next<T>& next) {
+                float scale, float* scores, float* out, float* lse, const TaskKeys<T>& next) {
   constexpr int64_t D = ND * 16;
   __m512 qv[G][ND];
   for (int g = 0; g < G; ++g)
@@ -180,7 +181,7 @@ void attend_one(const T* q, const T* keys, const T* values, const int64_t* slots
 
 template <typename T>
 using Kernel = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, float, float*, float*, float*,
-                        const Next<T>&);
+                        const TaskKeys<T>&);
 
 template <int ND, typename T>
 Kernel<T> pick_g(int64_t G) {
@@ -360,16 +361,16 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
     thread_local std::vector<float> qf;
     qf.resize(static_cast<size_t>(G * D));
 #endif
-    // Task t's keys: its KV head's, from its row's first key after the group's prefix (if any).
+    auto prefix = [&](int64_t row) { return start != nullptr ? start[row] : int64_t{0}; };  // attended with the group
     auto keys_of = [&](int64_t t) {
-      const int64_t r = t / Hkv, P = start != nullptr ? start[r] : 0;
-      return Next<T>{kp + (t % Hkv) * N * D, sp + r * W + P, lp[r] - P};
+      const int64_t row = t / Hkv;
+      return TaskKeys<T>{kp + (t % Hkv) * N * D, sp + row * W + prefix(row), lp[row] - prefix(row)};
     };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv;
-      const int64_t P = start != nullptr ? start[b] : 0;  // keys attended with the row's group
-      const int64_t L = lp[b] - P;
-      const Next<T> next = task + 1 < B * Hkv ? keys_of(task + 1) : Next<T>{};  // (most often this thread's)
+      const int64_t b = task / Hkv, h = task % Hkv, P = prefix(b);
+      const TaskKeys<T> own = keys_of(task);
+      const TaskKeys<T> next = task + 1 < B * Hkv ? keys_of(task + 1) : TaskKeys<T>{};  // (most often this thread's)
+      const int64_t L = own.L;
       const T* qb = qp + (b * H + h * G) * D;
       T* ob = op + (b * H + h * G) * D;
       float* lb = lsep + b * H + h * G;
@@ -379,9 +380,9 @@ void run(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& s
         continue;
       }
       scores.resize(static_cast<size_t>(G * L));
-      const T* keys = kp + h * N * D;
+      const T* keys = own.keys;
       const T* values = vp + h * N * D;
-      const int64_t* row_slots = sp + b * W + P;
+      const int64_t* row_slots = own.slots;
       // float32 output is written in place; a narrower one goes through the float32 buffer, rounded once.
       float* ofl = std::is_same_v<T, float> ? reinterpret_cast<float*>(ob) : acc.data();
       if (L > 0) {
