@@ -99,15 +99,16 @@ async def _stream(
         for i in range(run.n):
             yield delta(i, {"role": "assistant", "content": None if run.tools.forced else ""})
         async for event in events(run):
+            if isinstance(event, ChoiceDone):  # (its tokens' logprobs went out with their deltas)
+                finals.append(event.output)
+                yield delta(event.index, {}, None, event.finish_reason)
+                continue
             lps = chat_logprobs(event.logprobs, names) if body.logprobs and event.logprobs else None
             if isinstance(event, TextDelta):
                 key = "reasoning_content" if event.kind == "reasoning" else "content"
                 yield delta(event.index, {key: event.text}, lps)
             elif isinstance(event, ToolDelta):
                 yield delta(event.index, {"tool_calls": [event.to_openai()]}, lps)
-            elif isinstance(event, ChoiceDone):
-                finals.append(event.output)
-                yield delta(event.index, {}, None, event.finish_reason)
         if include_usage:
             out = finals[0]
             yield chunk([], usage(out.prompt_tokens, sum(f.completion_tokens for f in finals), out.cached_tokens))

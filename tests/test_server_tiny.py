@@ -199,6 +199,13 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-5)  # greedy
     assert "".join(e.token for e in content) == resp.choices[0].message.content
+    # Streamed: each delta carries its tokens' logprobs, and the stream still ends with finish_reason and usage.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, temperature=0,
+                                                 logprobs=True, stream=True, stream_options={"include_usage": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == resp.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
 
 
 def test_completions_echo_logprobs(client: openai.OpenAI) -> None:
