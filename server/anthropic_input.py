@@ -28,9 +28,9 @@ class MessagesRequest(_NullIsDefault):
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
     seed: int | None = None  # an extension, as in the chat request
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
@@ -77,13 +77,21 @@ def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}] if text else []
 
 
+def _text(block: dict[str, Any], at: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise bad_request(f"{at}.text: a text block needs a text string", f"{at}.text")
+    return block["text"]
+
+
 def _user(blocks: list[dict[str, Any]], at: str) -> list[dict[str, Any]]:
+    if not blocks:
+        raise bad_request(f"{at}: a user turn needs at least one content block", at)
     out: list[dict[str, Any]] = []
     texts = []
     for j, block in enumerate(blocks):
         kind = block["type"]
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append(_text(block, f"{at}.{j}"))
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"{at}.{j}: a tool_result block needs tool_use_id", f"{at}.{j}.tool_use_id")
@@ -108,7 +116,7 @@ def _assistant(blocks: list[dict[str, Any]], at: str) -> dict[str, Any]:
     for j, block in enumerate(blocks):
         kind = block["type"]
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append(_text(block, f"{at}.{j}"))
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad_request(f"{at}.{j}: a tool_use block needs id and name", f"{at}.{j}")
@@ -222,6 +230,15 @@ def chat_request(body: MessagesRequest | CountTokensRequest, stream: bool = Fals
         "chat_template_kwargs": template_kwargs,
         "stream": stream,
     }
+    last = fields["messages"][-1]
+    if last["role"] == "assistant" and not last.get("tool_calls"):  # a prefill: the answer continues it
+        at = f"messages.{len(body.messages) - 1}.content"
+        if not last["content"]:  # (Anthropic allows an empty one: an answer from the turn's start)
+            fields["messages"] = fields["messages"][:-1]
+        elif last["content"] != last["content"].rstrip():
+            raise bad_request(f"{at}: final assistant content cannot end with trailing whitespace", at)
+        else:
+            fields |= {"add_generation_prompt": False, "continue_final_message": True}
     if isinstance(body, MessagesRequest):
         fields |= {
             "max_completion_tokens": body.max_tokens,

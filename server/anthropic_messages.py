@@ -43,7 +43,7 @@ from radixserve.server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Anthropic"])
 
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def _request(body: MessagesRequest, state: ServerState) -> ChatCompletionRequest:
@@ -100,6 +100,11 @@ def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
 
 
 def _stop(reason: str, matched: str | int | None) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)``. Anthropic has no stop reason for an answer cut short by an abort
+    (``/abort_request``, a shutdown's drain running out): it is an error, so that no client takes the cut text
+    for a finished answer (Chat says ``finish_reason: "abort"``, Responses ``status: "incomplete"``)."""
+    if reason == "abort":
+        raise APIError(503, "the request was aborted before it finished (by /abort_request or a server shutdown)")
     if reason == "stop" and isinstance(matched, str):
         return "stop_sequence", matched
     return STOP_REASONS.get(reason, "end_turn"), None

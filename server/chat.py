@@ -17,7 +17,15 @@ from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text")
 # Keys the server passes to the template itself; chat_template_kwargs must not override them.
-_RESERVED_KWARGS = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template"}
+_RESERVED_KWARGS = {
+    "conversation",
+    "messages",
+    "tools",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+}
 
 TOOLS_SYSTEM_PROMPT = (
     "You may call one or more of the functions below to help with the user's request. To call a function, "
@@ -109,6 +117,23 @@ def _with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[
     return [{"role": "system", "content": instructions}, *messages]
 
 
+def _check_continuation(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> None:
+    """A prefill to continue (``continue_final_message``) is the last message, the assistant's, and the prompt
+    then ends inside that turn: no assistant header after it (vLLM's rule)."""
+    if not req.continue_final_message:
+        return
+    if req.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message continues the last message: send add_generation_prompt false with it",
+            "add_generation_prompt",
+        )
+    if messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+        raise bad_request(
+            "continue_final_message needs the last message to be an assistant message with content to continue",
+            "messages",
+        )
+
+
 def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: str | None) -> tuple[str, bool]:
     """The prompt text for ``req`` and whether tool calls should be parsed from the answer.
 
@@ -122,11 +147,14 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: s
     source = _template_source(tokenizer, template_override)
     if tools and "tools" not in source:
         messages, tools = _with_tools_system_message(messages, tools), None
+    _check_continuation(req, messages)
+
     def render(msgs: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(
             msgs,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
             tokenize=False,
             chat_template=template_override or None,
             **kwargs,

@@ -37,7 +37,7 @@ def require_api_key(
     if credentials is None:
         raise APIError(
             401,
-            "missing API key: send 'Authorization: Bearer <key>'",
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )

@@ -33,8 +33,6 @@ CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "include_stop_str_in_output": ((False,), "append the matched stop string (finish_reason matched_stop) yourself"),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer does by default"),
     "add_special_tokens": ((False,), "put the special tokens into the prompt text"),
-    "add_generation_prompt": ((True,), "the chat template always ends with the assistant's turn"),
-    "continue_final_message": ((False,), "send the partial answer as a completion prompt instead"),
     "chat_template": ((), "start the server with --chat-template"),
     "documents": ((), "put the documents into the messages"),
     "echo": ((False,), "echo is served by /v1/completions"),

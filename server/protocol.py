@@ -165,6 +165,12 @@ class ChatCompletionRequest(_SamplingFields):
     max_thinking_tokens: int | None = Field(
         None, ge=1, description="With --reasoning-parser: the think section is closed after this many tokens."
     )
+    add_generation_prompt: bool = Field(True, description="End the prompt with the template's assistant header.")
+    continue_final_message: bool = Field(
+        False,
+        description="Continue the last message (the assistant's, a prefill) instead of starting a new turn; "
+        "needs add_generation_prompt false. The answer holds the continuation only.",
+    )
 
 
 class CompletionRequest(_SamplingFields):

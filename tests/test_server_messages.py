@@ -7,6 +7,7 @@ request at a time, so a streamed message can be compared with the same request u
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 
 import anthropic
@@ -151,6 +152,36 @@ def test_stop_sequences_and_output_config(client: anthropic.Anthropic) -> None:
     assert set(answer) == {"city", "country"}
 
 
+def test_assistant_prefill_is_continued(client: anthropic.Anthropic, engine: Engine) -> None:
+    """A last assistant message is a prefill: the answer continues it (and holds the continuation only)."""
+    prefill = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    msg = client.messages.create(model=MODEL, max_tokens=6, messages=prefill, extra_body=GREEDY)
+    text = engine.tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    prompt = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert prompt == len(engine.tokenizer.encode(text, add_special_tokens=False))
+    assert msg.content[0].text == engine.generate(text, {"max_new_tokens": 6, "temperature": 0})["text"]
+    assert "Paris" in msg.content[0].text
+    empty = [*QUESTION, {"role": "assistant", "content": ""}]  # nothing to continue: an answer from the start
+    assert client.messages.create(model=MODEL, max_tokens=1, messages=empty, extra_body=GREEDY).content
+
+
+def test_an_aborted_message_is_an_error(server: ServerThread) -> None:
+    """An answer cut by ``/abort_request`` must not read as finished (Anthropic has no stop reason for it)."""
+    body = {"model": MODEL, "max_tokens": 1500, "messages": [{"role": "user", "content": "Write a long story."}]}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        with http.stream("POST", "/v1/messages", json=body | {"stream": True}) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if '"text_delta"' in line)
+            assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+            rest = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+        assert rest[-1]["type"] == "error" and "aborted" in rest[-1]["error"]["message"], rest[-1]
+        assert not any(e["type"] == "message_delta" for e in rest)
+        threading.Timer(1.0, lambda: http.post("/abort_request", json={"abort_all": True})).start()
+        r = http.post("/v1/messages", json=body)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
+
+
 def test_errors_have_anthropic_shape(server: ServerThread, client: anthropic.Anthropic, engine: Engine) -> None:
     bad = [
         dict(max_tokens=8, messages=[]),
@@ -159,6 +190,10 @@ def test_errors_have_anthropic_shape(server: ServerThread, client: anthropic.Ant
         dict(max_tokens=8, messages=QUESTION, tool_choice={"type": "any"}),
         dict(max_tokens=10**7, messages=QUESTION),
         dict(max_tokens=8, messages=[{"role": "robot", "content": "hi"}]),
+        dict(max_tokens=8, messages=[{"role": "user", "content": []}]),
+        dict(max_tokens=8, messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        dict(max_tokens=8, messages=QUESTION, extra_body={"temperature": 5}),  # Anthropic's range is [0, 1]
+        dict(max_tokens=8, messages=[*QUESTION, {"role": "assistant", "content": "The capital is "}]),
     ]
     for kwargs in bad:
         with pytest.raises(anthropic.BadRequestError) as err:

@@ -58,3 +58,29 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools' instructions joined them
     assert_error(lone, 400)  # nothing to fold into: the template's own refusal, as a 400
     assert "System role not supported" in lone.json()["error"]["message"]
+
+
+def test_continue_final_message(engine: Engine) -> None:
+    """vLLM's prefill: with ``continue_final_message`` (and ``add_generation_prompt`` false) the prompt ends inside
+    the assistant's last message, and the answer is its continuation; misuse is a 400 naming the field."""
+    prefill = [*USER, {"role": "assistant", "content": "The capital is"}]
+    with ServerThread(create_app(engine, ServerConfig(served_model_name="tiny"))) as srv, httpx.Client(
+        base_url=srv.url, timeout=60
+    ) as http:
+        body = {"model": "tiny", "messages": prefill, "max_tokens": 4, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=body | {"continue_final_message": True,
+                                                          "add_generation_prompt": False})  # fmt: skip
+        assert r.status_code == 200, r.text
+        text = engine.tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+        assert text.endswith("The capital is")
+        assert r.json()["usage"]["prompt_tokens"] == len(engine.tokenizer.encode(text, add_special_tokens=False))
+        alone = engine.generate(text, {"max_new_tokens": 4, "temperature": 0})["text"]
+        assert r.json()["choices"][0]["message"]["content"] == alone
+        # Without it the prefill is a finished turn and a new one starts: a longer prompt.
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.json()["usage"]["prompt_tokens"] > len(engine.tokenizer.encode(text, add_special_tokens=False))
+        r = http.post("/v1/chat/completions", json=body | {"continue_final_message": True})
+        assert_error(r, 400, param="add_generation_prompt", text="continue_final_message")
+        r = http.post("/v1/chat/completions", json=body | {"messages": USER, "continue_final_message": True,
+                                                          "add_generation_prompt": False})  # fmt: skip
+        assert_error(r, 400, param="messages", text="assistant message")
