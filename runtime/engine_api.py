@@ -56,10 +56,16 @@ class EngineAPI(ABC):
         else:
             param_list = [as_params(sampling_params) for _ in ids_list]
         done: list[Future[dict[str, Any]]] = []
-        for ids, params in zip(ids_list, param_list):
-            fut: Future[dict[str, Any]] = Future()
-            self.submit(ids, params, Collector(fut))  # type: ignore[arg-type]
-            done.append(fut)
+        rids: list[str] = []
+        try:
+            for ids, params in zip(ids_list, param_list):
+                fut: Future[dict[str, Any]] = Future()
+                rids.append(self.submit(ids, params, Collector(fut)))  # type: ignore[arg-type]
+                done.append(fut)
+        except BaseException:  # all or nothing: the caller never gets the rids of those already queued
+            for rid in rids:
+                self.abort(rid)
+            raise
         results = [f.result() for f in done]
         return results[0] if single else results
 

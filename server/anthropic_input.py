@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import Field
 
-from radixserve.server.errors import bad_request
+from radixserve.server.errors import bad_request, invalid_request
 from radixserve.server.protocol import ChatCompletionRequest, _NullIsDefault
 
 
@@ -252,5 +252,5 @@ def chat_request(body: MessagesRequest | CountTokensRequest, stream: bool = Fals
     try:
         req = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValueError as exc:
-        raise bad_request(f"invalid request: {exc}".splitlines()[0]) from None
+        raise invalid_request(exc) from None
     return req.model_copy(update={"max_thinking_tokens": budget}) if budget is not None else req

@@ -8,6 +8,7 @@ names the exception, and are logged with their traceback.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -182,8 +183,16 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def invalid_request(exc: ValueError) -> APIError:
+    """A 400 for a request an adapter built from its body and pydantic refused (``exc``), naming the first field
+    at fault under the internal request's name (an adapter renames it to its own)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):  # a validator's own ValueError: its first line is the message
+        return bad_request(f"invalid request: {exc}".splitlines()[0])
+    return bad_request(*_validation_message(errors()))
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -210,7 +219,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc.errors())
         return error_response(request.url.path, 400, message, param)
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:

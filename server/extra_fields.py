@@ -23,6 +23,7 @@ logger = logging.getLogger("radixserve.server")
 # Field -> (values that match what this server does anyway, what to do instead).
 CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not served; sample n choices instead"),
+    "best_of": ((1,), "best_of is not served; sample n choices instead"),
     "length_penalty": ((1, 1.0), "beam search is not served"),
     "early_stopping": ((False,), "beam search is not served"),
     "bad_words": (([],), "give the banned tokens a logit_bias of -100"),

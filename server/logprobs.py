@@ -6,16 +6,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixserve.runtime.request import TokenLogprob
+from radixserve.server.tokens import TokenNames
 
 Names = Callable[[int], str]
 
 
-def _chat_entry(token_id: int, logprob: float, names: Names) -> dict[str, Any]:
-    text = names(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _chat_entry(token_id: int, logprob: float, names: TokenNames) -> dict[str, Any]:
+    return {"token": names(token_id), "logprob": logprob, "bytes": names.bytes_of(token_id)}
 
 
-def chat_logprobs(lps: Sequence[TokenLogprob], names: Names) -> dict[str, Any]:
+def chat_logprobs(lps: Sequence[TokenLogprob], names: TokenNames) -> dict[str, Any]:
     """``choice.logprobs`` of a chat completion (or of one streamed chunk)."""
     content = []
     for lp in lps:

@@ -19,9 +19,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from radixserve.server.chat_core import (
     ChatChoice,
@@ -36,6 +36,7 @@ from radixserve.server.chat_core import (
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.errors import APIError, internal_error
 from radixserve.server.extra_fields import check_extra_fields
+from radixserve.server.logprobs import chat_logprobs
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.responses_input import ResponsesRequest, chat_request, renamed_error
 from radixserve.server.responses_store import StoredResponse
@@ -105,7 +106,10 @@ async def _start(body: ResponsesRequest, state: ServerState) -> _Turn:
                 code="previous_response_not_found",
             )
         history = list(previous.conversation)
-    chat, conversation = chat_request(body, history)
+    try:
+        chat, conversation = chat_request(body, history)
+    except APIError as exc:
+        raise renamed_error(exc) from None
     turn = _Turn(body, chat, conversation)
     try:
         turn.run = await start_chat(chat, state, prompt_param="input")
@@ -121,7 +125,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     if body.stream:
         return SSEResponse(_stream(turn, state), on_error=lambda exc: [_error_event(exc, 0)])
     choice = (await collect(turn.run, request))[0]
-    items = _items(choice, state)
+    items = _items(choice, _logprobs(turn, choice.result.logprobs, state))
     return _finish(turn, state, choice.finish_reason, choice.result, items)
 
 
@@ -138,11 +142,30 @@ async def delete_response(response_id: str, state: StateDep):
 
 
 @router.get("/v1/responses/{response_id}/input_items", summary="The input items of a stored response")
-async def response_input_items(response_id: str, state: StateDep):
+async def response_input_items(
+    response_id: str,
+    state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+):
+    """A page of the conversation the response answered, newest first unless ``order`` is ``asc``, ``limit``
+    items after the item ``after``, as OpenAI pages lists. Item ids are the response's id and the item's place."""
     entry = _stored(response_id, state)
-    items = [_input_item(m) for m in entry.conversation[:-1]]
-    data = [i for group in items for i in group][::-1]  # newest first, as OpenAI lists them
-    return {"object": "list", "data": data, "first_id": None, "last_id": None, "has_more": False}
+    items = [i for m in entry.conversation[:-1] for i in _input_item(m)]
+    tail = response_id.removeprefix("resp_")
+    for k, item in enumerate(items):
+        prefix = "fc" if item["type"] == "function_call" else "fco" if item["type"].endswith("output") else "msg"
+        item["id"] = f"{prefix}_{tail}_{k}"
+    data = items[::-1] if order == "desc" else items
+    if after is not None:
+        ids = [i["id"] for i in data]
+        if after not in ids:
+            raise APIError(400, f"no input item of {response_id!r} has the id {after!r}", param="after")
+        data = data[ids.index(after) + 1 :]
+    page = data[:limit]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return {"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": len(data) > limit}
 
 
 def _stored(response_id: str, state: ServerState) -> StoredResponse:
@@ -173,12 +196,21 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": "completed"}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [_text_part(text)] if status != "in_progress" else []
+def _logprobs(turn: _Turn, lps: Any, state: ServerState) -> list[dict[str, Any]]:
+    """The answer's token logprobs as an ``output_text`` part lists them (asked for with ``include``
+    ``message.output_text.logprobs`` or ``top_logprobs``): one entry per token, as in a chat completion."""
+    if not turn.chat.logprobs or not lps:
+        return []
+    assert state.token_names is not None
+    return chat_logprobs(lps, state.token_names)["content"]
+
+
+def _message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
+    content = [_text_part(text, logprobs)] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -193,13 +225,13 @@ def _call_item(item_id: str, call: ParsedToolCall, status: str = "completed") ->
     }
 
 
-def _items(choice: ChatChoice, state: ServerState) -> list[dict[str, Any]]:
+def _items(choice: ChatChoice, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     items = []
     if choice.reasoning:
         items.append(_reasoning_item(_id("rs"), choice.reasoning))
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     if choice.content or not choice.tool_calls:
-        items.append(_message_item(_id("msg"), choice.content or "", status))
+        items.append(_message_item(_id("msg"), choice.content or "", status, logprobs))
     items += [_call_item(_id("fc"), call) for call in choice.tool_calls]
     if choice.tool_calls:
         items[-1]["status"] = status  # a call cut by max_output_tokens is the last one
@@ -255,6 +287,7 @@ class _Emitter:
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, int] = {}  # "reasoning" / "message" / f"call{k}" -> output index while it is open
+        self.logprobs: list[dict[str, Any]] = []  # arrived, not sent yet: they go with the next text delta
 
     def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **payload}
@@ -288,9 +321,8 @@ class _Emitter:
             out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
         elif item["type"] == "message":
             part = item["content"][0]
-            out.append(
-                self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])
-            )
+            done = {"text": part["text"], "logprobs": part["logprobs"]}
+            out.append(self.event("response.output_text.done", **where, content_index=0, **done))
             out.append(self._part("response.content_part.done", index, part))
         else:
             out.append(
@@ -310,6 +342,8 @@ async def _stream(turn: _Turn, state: ServerState) -> AsyncIterator[str]:
         yield em.event("response.created", response=turn.envelope(state, "in_progress", []))
         yield em.event("response.in_progress", response=turn.envelope(state, "in_progress", []))
         async for event in events(run):
+            if isinstance(event, TextDelta | ToolDelta):
+                em.logprobs += _logprobs(turn, event.logprobs, state)
             if isinstance(event, TextDelta) and event.text:
                 for line in _text_events(em, event):
                     yield line
@@ -359,7 +393,10 @@ def _text_events(em: _Emitter, event: TextDelta) -> list[str]:
     if "message" not in em.open:
         out += em.add("message", _message_item(_id("msg"), "", "in_progress"))
     index = em.open["message"]
-    em.items[index]["content"][0]["text"] += event.text
+    part = em.items[index]["content"][0]
+    part["text"] += event.text
+    logprobs, em.logprobs = em.logprobs, []
+    part["logprobs"] += logprobs
     item_id = em.items[index]["id"]
     out.append(
         em.event(
@@ -368,7 +405,7 @@ def _text_events(em: _Emitter, event: TextDelta) -> list[str]:
             output_index=index,
             content_index=0,
             delta=event.text,
-            logprobs=[],
+            logprobs=logprobs,
         )
     )
     return out

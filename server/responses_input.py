@@ -15,10 +15,11 @@ from typing import Any
 
 from pydantic import Field
 
-from radixserve.server.errors import APIError, bad_request
+from radixserve.server.errors import APIError, bad_request, invalid_request
 from radixserve.server.protocol import ChatCompletionRequest, _NullIsDefault
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for the answer's logprobs
 ROLES = ("user", "assistant", "system", "developer")
 # Fields refused because they would change what is served, with what to do instead.
 UNSUPPORTED = {
@@ -46,7 +47,7 @@ class ResponsesRequest(_NullIsDefault):
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # Extensions shared with the chat request.
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -194,11 +195,13 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
         "max_thinking_tokens": body.max_thinking_tokens,
+        "logprobs": LOGPROBS in (body.include or []) or bool(body.top_logprobs),
+        "top_logprobs": body.top_logprobs,
     }
     try:
         req = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValueError as exc:
-        raise bad_request(f"invalid request: {exc}".splitlines()[0], None) from None
+        raise invalid_request(exc) from None
     return req, conversation
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -18,15 +19,16 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
 
 
 class TokenNames:
-    """``token_id -> text`` as a client sees it in logprobs (decoded, so "Ġhello" reads " hello").
-
-    A token that is only part of a UTF-8 character decodes to U+FFFD; its ``bytes`` are then that of the
-    replacement character, as in other servers that decode token by token. Memoized: vocabularies are small.
-    """
+    """``token_id -> text`` as a client sees it in logprobs (decoded, so "Ġhello" reads " hello"), and the
+    token's own bytes (``bytes_of``), which OpenAI's ``bytes`` field carries so that a client can join the pieces of
+    a character split over several tokens (each of which decodes to U+FFFD alone). Memoized: vocabularies are
+    small."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: list[bytes | None] | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -34,3 +36,25 @@ class TokenNames:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's bytes in the vocabulary (byte-level BPE or SentencePiece with byte fallback); its decoded
+        text's UTF-8 where the vocabulary has another encoding."""
+        if self._bytes is None:
+            with self._lock:
+                if self._bytes is None:
+                    self._bytes = _vocabulary_bytes(self.tokenizer)
+        raw = self._bytes[token_id] if token_id < len(self._bytes) else None
+        return list(raw if raw is not None else self(token_id).encode("utf-8"))
+
+
+def _vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
+    from radixserve.constrained.tokenizer import TokenizerError, raw_token_bytes
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return []
+    try:
+        return raw_token_bytes(backend)[0]
+    except TokenizerError:
+        return []

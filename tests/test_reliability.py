@@ -111,6 +111,9 @@ def test_queue_bound_is_exact_and_ignores_running(tiny_model_dir: Path) -> None:
         assert long.done.result(30).finish_reason == FinishReason.ABORT
         for sink in queued:
             assert sink.done.result(30).finish_reason == FinishReason.LENGTH
+        with pytest.raises(EngineOverloadedError):  # a batch is all or nothing: the queued part is aborted
+            engine.generate(input_ids=[[5, 6, 7]] * 5, sampling_params={"max_new_tokens": 1500, "ignore_eos": True})
+        _wait(lambda: engine.num_unfinished == 0, "the batch's queued requests are aborted", timeout=1.5)
         _check_kv(engine)
     finally:
         engine.shutdown()

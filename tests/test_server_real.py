@@ -82,6 +82,17 @@ def test_usage_is_consistent(client: openai.OpenAI, engine: Engine) -> None:
         assert usage.completion_tokens == 20
 
 
+def test_logprob_bytes_join_into_the_answer(client: openai.OpenAI) -> None:
+    """Each token's ``bytes`` are its own, so the pieces of a character split over tokens (an emoji: each piece
+    alone reads U+FFFD) join into the answer."""
+    messages = [{"role": "user", "content": "Reply with exactly this and nothing else: 🎉🚀 héllo"}]
+    resp = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          logprobs=True, stop=["\n"])  # fmt: skip
+    content = resp.choices[0].logprobs.content
+    assert any(e.token == "\ufffd" for e in content), [e.token for e in content]  # the answer splits a character
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == resp.choices[0].message.content
+
+
 def test_tools_auto_round_trip(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
     kw = dict(model=DEFAULT_MODEL, tools=[WEATHER_TOOL], max_tokens=64, temperature=0)

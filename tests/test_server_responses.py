@@ -194,6 +194,34 @@ def test_previous_response_id_three_turns_hit_the_cache(client: openai.OpenAI) -
         previous = resp
     items = client.responses.input_items.list(previous.id).data
     assert [i.type for i in items][::-1][:2] == ["message", "message"] and len(items) == 5
+    # Pages: ids, order, limit and after, as OpenAI lists them.
+    oldest = client.responses.input_items.list(previous.id, order="asc", limit=2)
+    assert [i.id for i in oldest.data] == [i.id for i in items][::-1][:2] and oldest.has_more
+    assert oldest.first_id == oldest.data[0].id and oldest.last_id == oldest.data[1].id
+    rest = client.responses.input_items.list(previous.id, order="asc", after=oldest.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in items][::-1][2:] and not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(previous.id, limit=0)
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    """``include: ["message.output_text.logprobs"]`` (and ``top_logprobs``) give the answer's token logprobs,
+    the same streamed (on the text deltas and the done event) as not."""
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])  # fmt: skip
+    plain = client.responses.create(**kwargs)
+    part = plain.output[0].content[0]
+    assert len(part.logprobs) == plain.usage.output_tokens
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [lp.token for lp in part.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == streamed
+    bare = client.responses.create(**(kwargs | {"include": None, "top_logprobs": None}))
+    assert bare.output[0].content[0].logprobs == []
 
 
 def test_bad_input_is_a_400_in_openai_shape(server: ServerThread, client: openai.OpenAI) -> None:
@@ -207,6 +235,9 @@ def test_bad_input_is_a_400_in_openai_shape(server: ServerThread, client: openai
         ),
         (dict(input=QUESTION, max_output_tokens=10**7), "max_output_tokens"),
         (dict(input=QUESTION, tool_choice="required"), "tool_choice"),
+        (dict(input=QUESTION, tool_choice="bogus"), "tool_choice"),
+        (dict(input=QUESTION, tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
+        (dict(input=QUESTION, top_logprobs=21), "top_logprobs"),
     ]
     for kwargs, param in bad:
         with pytest.raises(openai.BadRequestError) as err:
