@@ -221,6 +221,8 @@ class Engine(EngineAPI):
         self.core.validate(prompt, params)
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Req(rid, prompt, params)
+        if params.constraint is not None:  # (outside the lock: the first one builds the compiler, a second or so)
+            req.grammar_future = self.grammar.compile(params.constraint)
         with self._count_lock:
             if self._closed:
                 raise EngineDeadError(self.error or "the engine has shut down")
@@ -232,10 +234,8 @@ class Engine(EngineAPI):
                 )
             self._unfinished += 1
             self._pending_adds += 1
-            if params.constraint is not None:
-                req.grammar_future = self.grammar.compile(params.constraint)
-                if not req.grammar_future.done():
-                    req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None, None)))
+            if req.grammar_future is not None and not req.grammar_future.done():
+                req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None, None)))
             self._inbox.put(("add", req, sink))
         return rid
 

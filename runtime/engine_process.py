@@ -346,6 +346,13 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: str, log_for
         bridge.close()
 
 
+def _error_code(exc: Exception) -> ErrorCode:
+    """Why ``Engine.submit`` refused a request, for the front end (which raised nothing: it had sent it)."""
+    if isinstance(exc, EngineOverloadedError):
+        return ErrorCode.OVERLOADED
+    return ErrorCode.INVALID if isinstance(exc, ValueError) else ErrorCode.ENGINE
+
+
 class _Bridge:
     """The engine process's end of the pipe: messages in on the main thread, output bursts out on a writer."""
 
@@ -385,7 +392,7 @@ class _Bridge:
                     engine.submit(msg.prompt_ids, msg.params, self.sink, rid=msg.rid)
                 except Exception as exc:  # noqa: BLE001 - the request fails alone, through its outputs
                     req = Req(msg.rid, msg.prompt_ids, msg.params)
-                    req.fail(str(exc), ErrorCode.INVALID if isinstance(exc, ValueError) else ErrorCode.ENGINE)
+                    req.fail(str(exc), _error_code(exc))
                     self.sink(final_output(req))
                 with self._cond:
                     self._adds_taken += 1

@@ -21,10 +21,11 @@ class ErrorCode(str, enum.Enum):
     ENGINE = "engine_error"  # a fault of the server (model step, a bug): HTTP 500
     GRAMMAR = "grammar_error"  # the request's own constraint cannot be followed (a backend limit, no output): 400
     INVALID = "invalid_request"  # the request is invalid for this engine (caught on submission): 400
+    OVERLOADED = "overloaded"  # refused on submission, the waiting queue full (the front end's count lags): 429
 
     @property
     def client_fault(self) -> bool:
-        return self is not ErrorCode.ENGINE
+        return self in (ErrorCode.GRAMMAR, ErrorCode.INVALID)
 
 
 class FinishReason(str, enum.Enum):

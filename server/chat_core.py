@@ -197,7 +197,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
     )
     await compile_constraints(engine, state.metrics, [constraint])
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    group = RequestGroup(engine, state.metrics, state.inflight)
+    group = RequestGroup(engine, state.metrics, state.inflight, name=cid)
     group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
     names = frozenset(t.function.name for t in body.tools or []) if parse_tools and not forced else frozenset()
     tools = ToolOutput(names, forced, bare_json=not union)

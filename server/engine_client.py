@@ -62,8 +62,16 @@ class Result:
 class RequestGroup:
     """Requests submitted together and read as one stream of ``(index, ReqOutput)``."""
 
-    def __init__(self, engine: Any, metrics: Metrics, inflight: dict[str, RequestGroup], native: bool = False):
+    def __init__(
+        self,
+        engine: Any,
+        metrics: Metrics,
+        inflight: dict[str, RequestGroup],
+        native: bool = False,
+        name: str | None = None,
+    ) -> None:
         self.engine = engine
+        self.name = name  # the id a client knows the whole group by (a completion's id), for /abort_request
         self.metrics = metrics
         self.inflight = inflight
         self.native = native

@@ -79,8 +79,12 @@ class APIError(Exception):
 
 def request_failed(error: str | None, code: str | None) -> APIError:
     """The error for a request the engine finished with ``FinishReason.ERROR``: 400 when the request itself is at
-    fault (its constraint cannot be followed, it is invalid for this engine), else 500."""
+    fault (its constraint cannot be followed, it is invalid for this engine), 429 when the engine refused it for a
+    full queue, else 500."""
     code = code or ErrorCode.ENGINE.value
+    if code == ErrorCode.OVERLOADED.value:
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        return APIError(429, f"the server is overloaded: {error}", code=code, headers=retry)
     if ErrorCode(code).client_fault:
         return APIError(400, f"the request cannot be served: {error}", code=code)
     return APIError(500, f"the request failed inside the engine: {error}", code=code)

@@ -124,7 +124,8 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep):
     raws = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
     constraints = [native_constraint(raw or {}) for raw, p in zip(raws, params) if p.constraint is not None]
     await compile_constraints(engine, state.metrics, constraints)  # a bad grammar is a 400 before any submit
-    group = RequestGroup(engine, state.metrics, state.inflight, native=True)
+    name = body.rid if isinstance(body.rid, str) and not single else None  # a batch's rids are f"{name}-{i}"
+    group = RequestGroup(engine, state.metrics, state.inflight, native=True, name=name)
     group.submit(list(zip(prompts, params, rids)))
     start = time.monotonic()
     if body.stream:
@@ -231,7 +232,7 @@ async def abort_request(body: AbortRequest, state: StateDep) -> dict[str, Any]:
     if body.abort_all:
         rids = list(state.inflight)
     elif body.rid:
-        rids = [r for r in list(state.inflight) if r == body.rid or r.startswith(body.rid + "-")]
+        rids = [r for r, group in list(state.inflight.items()) if body.rid in (r, group.name)]
         if not rids:
             raise APIError(404, f"no running request has rid {body.rid!r} (it may have finished)", param="rid")
     else:

@@ -99,7 +99,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         )
         requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
     await compile_constraints(engine, state.metrics, [constraint])
-    group = RequestGroup(engine, state.metrics, state.inflight)
+    group = RequestGroup(engine, state.metrics, state.inflight, name=cid)
     group.submit(requests)
     created = int(time.time())
     if body.stream:

@@ -19,8 +19,10 @@ import pytest
 from radixserve.constrained import ConstraintSpec, GrammarError
 from radixserve.runtime.engine import Engine, EngineDeadError, EngineOverloadedError
 from radixserve.runtime.engine_process import EngineProcess
+from radixserve.runtime.request import ErrorCode, FinishReason
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server import ServerConfig, create_app
+from radixserve.server.errors import request_failed
 from radixserve.server.testing import ServerThread
 from tests.test_server_tiny import USER, assert_error, sse_events
 
@@ -113,6 +115,10 @@ def test_the_queue_bound_holds_across_the_process_boundary(tiny_model_dir: Path)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert engine.num_queued == 0 and engine.num_unfinished == 0
+        # One the front end let through on a count one step old, and the engine refused, is an overload (429).
+        refused_late = [out for out in finals if out.finish_reason == FinishReason.ERROR]  # type: ignore[attr-defined]
+        assert all(out.error_code == ErrorCode.OVERLOADED for out in refused_late)  # type: ignore[attr-defined]
+        assert request_failed("the waiting queue is full", ErrorCode.OVERLOADED.value).status == 429
     finally:
         engine.shutdown()
 

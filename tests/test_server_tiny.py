@@ -459,6 +459,7 @@ def test_abort_request(http: httpx.Client, server: ServerThread) -> None:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["meta_info"]["id"] == "abort-me"
+        assert_error(http.post("/abort_request", json={"rid": "abort"}), 404, param="rid")  # not another's prefix
         assert http.post("/abort_request", json={"rid": "abort-me"}).json()["aborted"] == ["abort-me"]
         events = sse_events(lines)
     assert events[-1] == "[DONE]"
