@@ -1,4 +1,5 @@
-"""SGLang-style native routes: /generate, /tokenize, /server_info, /flush_cache, /abort_request, /health, /metrics."""
+"""SGLang-style native routes: /generate, /tokenize, /detokenize, /server_info, /flush_cache, /abort_request,
+/health, /metrics."""
 
 from __future__ import annotations
 
@@ -199,6 +200,20 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
     return out
 
 
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]
+
+
+@router.post("/detokenize", summary="The text of token ids (vLLM-compatible)")
+async def detokenize(body: DetokenizeRequest, state: StateDep) -> dict[str, Any]:
+    """Special tokens are kept, as ``/tokenize`` of the result would need them to give the ids back."""
+    engine = state.ready_engine()
+    bad = next((t for t in body.tokens if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {engine.vocab_size})", "tokens")
+    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
 async def _engine_call(state: ServerState, fn_name: str) -> Any:
     engine = state.ready_engine()
     try:
@@ -226,7 +241,7 @@ async def flush_cache(state: StateDep) -> dict[str, Any]:
     return {"success": True, "message": "the prefix cache was flushed"}
 
 
-@router.post("/abort_request", summary="Abort running requests by rid (a prefix matches its n choices)")
+@router.post("/abort_request", summary="Abort running requests by rid (a call's id: all its choices)")
 async def abort_request(body: AbortRequest, state: StateDep) -> dict[str, Any]:
     engine = state.ready_engine()
     if body.abort_all:

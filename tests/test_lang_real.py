@@ -119,6 +119,8 @@ def test_tokenize_route(backend: RuntimeEndpoint, lang_engine: Engine) -> None:
     )
     bad = requests.post(url, json={"prompt": "x", "messages": messages}, timeout=30)
     assert bad.status_code == 400 and "exactly one" in bad.json()["error"]["message"]
+    back = requests.post(backend.base_url + "/detokenize", json={"tokens": rendered["tokens"]}, timeout=30).json()
+    assert back["prompt"] == rendered["prompt"]  # special tokens kept: the round trip is exact
 
 
 # --- select ---------------------------------------------------------------------------------------------------

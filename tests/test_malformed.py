@@ -118,6 +118,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("abort-nothing", "/abort_request", {}, 400, "rid"),
     ("abort-unknown", "/abort_request", {"rid": "no-such-request"}, 404, "rid"),
     ("tokenize-neither", "/tokenize", {}, 400, "prompt"),
+    ("detokenize-out-of-range", "/detokenize", {"tokens": [5, 10**7]}, 400, "tokens"),
+    ("detokenize-not-ids", "/detokenize", {"tokens": "hello"}, 400, "tokens"),
     ("non-utf8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}', 400, None),
     # Lone surrogate escapes are valid JSON but not Unicode: they once reached the tokenizer (500) or the response.
     ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),

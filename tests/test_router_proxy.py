@@ -205,10 +205,11 @@ def test_routes_the_dsl_and_clients_need_reach_a_replica() -> None:
 
     transport = FakeTransport({"a": ok_json({"from": "a"}), "b": missing})
     with fake_router(transport, policy="round_robin") as client:
-        for method, path in (("POST", "/tokenize"), ("GET", "/server_info"), ("GET", "/v1/models/tiny")):
+        routes = (("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/server_info"), ("GET", "/v1/models/tiny"))
+        for method, path in routes:
             resp = client.request(method, path, json={"prompt": "x"} if method == "POST" else None)
             assert resp.status_code == 200, (path, resp.text)
-        assert {path for _, path, _ in transport.calls} == {"/tokenize", "/server_info", "/v1/models/tiny"}
+        assert {path for _, path, _ in transport.calls} == {path for _, path in routes}
         client.get("/v1/models/a%3Fx%3D1")  # one path segment, sent as one (not a query string)
         assert transport.calls[-1][1] == "/v1/models/a%3Fx%3D1"
         resp = client.post("/abort_request", json={"rid": "r1"})

@@ -7,8 +7,8 @@ Routes:
   * POST /v1/chat/completions, /v1/completions, /generate, /v1/messages, /v1/responses: routed by the policy on
     the request's text, streamed through when the replica streams (``server.router.proxy``); a Responses request
     with ``previous_response_id`` goes to the replica that stored that response;
-  * GET /v1/models, /v1/models/{model}, /server_info and POST /tokenize: from the least loaded healthy replica
-    (every replica serves the same model; /server_info is that replica's own engine and cache);
+  * GET /v1/models, /v1/models/{model}, /server_info, POST /tokenize and /detokenize: from the least loaded
+    healthy replica (every replica serves the same model; /server_info is that replica's own engine and cache);
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
   * POST /abort_request: sent to every healthy replica; 200 naming those that ran the rid, else 404;
   * GET / HEAD /health: 200 while at least one replica is healthy, else 503 (no API key needed);
@@ -170,6 +170,10 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     @api.post("/tokenize", summary="Tokenize (or render a chat), on one healthy replica")
     async def tokenize(request: Request) -> Response:
         return await _one(request, "POST", "/tokenize")
+
+    @api.post("/detokenize", summary="The text of token ids, on one healthy replica")
+    async def detokenize(request: Request) -> Response:
+        return await _one(request, "POST", "/detokenize")
 
     @api.get("/server_info", summary="One healthy replica's engine state (each replica has its own cache)")
     async def server_info(request: Request) -> Response:
