@@ -30,7 +30,8 @@ _RESERVED_KWARGS = {
 TOOLS_SYSTEM_PROMPT = (
     "You may call one or more of the functions below to help with the user's request. To call a function, "
     'reply with <tool_call>{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}</tool_call> '
-    "(one block per call) and nothing else. If no function is needed, answer normally.\n\n"
+    "(one block per call) and nothing else; each result comes back as <tool_response>...</tool_response>. If no "
+    "function is needed, answer normally.\n\n"
     "Functions:\n{functions}"
 )
 
@@ -108,6 +109,31 @@ def _template_source(tokenizer: Any, override: str | None) -> str:
     return template or ""
 
 
+def _inline_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation for a template that cannot render tool calls (it never reads ``tool_calls``): each
+    earlier call is written into its assistant turn as the ``<tool_call>`` block ``TOOLS_SYSTEM_PROMPT`` asks for,
+    and the results that answer them become one user turn of ``<tool_response>`` blocks (Hermes' convention), so
+    the model sees the calls it made before their results, and user and assistant turns still alternate."""
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            calls = [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]
+            ]
+            blocks = [f"<tool_call>{json.dumps(call, ensure_ascii=False)}</tool_call>" for call in calls]
+            text = "\n".join([msg["content"], *blocks] if msg["content"] else blocks)
+            out.append({k: v for k, v in msg.items() if k != "tool_calls"} | {"content": text})
+        elif msg["role"] == "tool":
+            block = f"<tool_response>\n{msg['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # the results of parallel calls: one turn
+                out[-1] = dict(out[-1], content=f"{out[-1]['content']}\n{block}")
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(msg)
+    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+
+
 def _with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     functions = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     instructions = TOOLS_SYSTEM_PROMPT.format(functions=functions)
@@ -145,6 +171,8 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: s
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if offer_tools and req.tools else None
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
     source = _template_source(tokenizer, template_override)
+    if "tool_calls" not in source:
+        messages = _inline_tool_turns(messages)
     if tools and "tools" not in source:
         messages, tools = _with_tools_system_message(messages, tools), None
     _check_continuation(req, messages)

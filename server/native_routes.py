@@ -15,7 +15,6 @@ from pydantic import BaseModel
 
 from radixserve.runtime.request import FinishReason
 from radixserve.runtime.sampling_params import SamplingParams
-from radixserve.server.chat import normalize_messages
 from radixserve.server.constraints import compile_constraints, native_constraint
 from radixserve.server.deps import StateDep, require_api_key, require_metrics_key
 from radixserve.server.engine_client import RequestGroup, Result
@@ -24,7 +23,7 @@ from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import native_logprobs, prompt_entries
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.params import native_params
-from radixserve.server.protocol import AbortRequest, ChatMessage, GenerateRequest
+from radixserve.server.protocol import AbortRequest, ChatCompletionRequest, ChatMessage, GenerateRequest
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, sse
 from radixserve.server.tokens import encode
@@ -178,17 +177,9 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
         raise bad_request("give exactly one of prompt or messages", "prompt")
     tokenizer, special = engine.tokenizer, body.add_special_tokens
     out: dict[str, Any] = {"max_model_len": engine.max_context_len}
-    if body.messages is not None:
-        messages = normalize_messages(body.messages)
-        try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                tokenize=False,
-                chat_template=state.chat_template or None,
-            )
-        except Exception as exc:  # noqa: BLE001 - Jinja errors (incl. a template's raise_exception) are the client's
-            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from None
+    if body.messages is not None:  # rendered as a chat request renders them (earlier tool calls included)
+        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+        text, _ = state.render_chat(chat)
         out["prompt"], out["tokens"] = text, encode(tokenizer, text, add_special_tokens=special)
         out["count"] = len(out["tokens"])
     elif isinstance(body.prompt, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from radixserve.runtime.sampling_params import MAX_TOP_LOGPROBS
 
@@ -70,6 +70,16 @@ class FunctionDef(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A call's arguments are a JSON object (clients pass them as keyword arguments): a schema of anything
+        else is refused; one without a type (``{}``: no parameters declared) is read as an object's."""
+        kind = (parameters or {}).get("type")
+        if kind is not None and "object" not in (kind if isinstance(kind, list) else [kind]):
+            raise ValueError(f"a tool's parameters must be the JSON schema of an object, not of type {kind!r}")
+        return parameters
 
 
 class Tool(_Lenient):

@@ -40,6 +40,8 @@ def _call_schema(name: str, parameters: dict[str, Any] | None, at: str) -> dict[
     """One call object; ``at`` is the JSON pointer of this object in the document compiled, so the parameters'
     local ``$ref``s (``#/$defs/...``, as pydantic writes them) still name their targets once wrapped."""
     arguments = NO_PARAMETERS if parameters is None else rebase_refs(parameters, f"{at}/properties/arguments")
+    if arguments.get("type") != "object":  # ``{}`` or a list of types: an object all the same (FunctionDef)
+        arguments = {**arguments, "type": "object"}
     return {
         "type": "object",
         "properties": {"name": {"const": name}, "arguments": arguments},

@@ -99,6 +99,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("tool-choice-without-tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     ("tool-without-name", CHAT, _chat(tools=[{"type": "function", "function": {"parameters": {}}}]), 400, None),
     ("tool-choice-bad-string", CHAT, _chat(tools=[TOOL], tool_choice="sometimes"), 400, None),
+    ("tool-parameters-not-object", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f",
+     "parameters": {"type": "string"}}}]), 400, "tools[0].function.parameters"),  # fmt: skip
     ("chat-template-kwargs-type", CHAT, _chat(chat_template_kwargs=[1, 2]), 400, None),
     ("prompt-empty-list", COMP, {"prompt": []}, 400, "prompt"),
     ("prompt-empty-ids", COMP, {"prompt": [[]]}, 400, "prompt"),

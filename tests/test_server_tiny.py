@@ -232,7 +232,7 @@ def test_cached_tokens_on_repeat(client: openai.OpenAI) -> None:
     assert 0 < cached <= second.usage.prompt_tokens
 
 
-def test_tools_auto_and_tool_messages(client: openai.OpenAI) -> None:
+def test_tools_auto_and_tool_messages(client: openai.OpenAI, http: httpx.Client) -> None:
     tools = [
         {
             "type": "function",
@@ -258,6 +258,10 @@ def test_tools_auto_and_tool_messages(client: openai.OpenAI) -> None:
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
+    # A template that cannot render calls (this one) gets them written into the turn, results as a user turn.
+    prompt = http.post("/tokenize", json={"messages": messages}).json()["prompt"]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert call in prompt and prompt.index(call) < prompt.index("<tool_response>\nsunny\n</tool_response>")
     for choice in ("auto", "none"):
         resp = client.chat.completions.create(
             model=MODEL, messages=messages, tools=tools, tool_choice=choice, max_tokens=6, temperature=0

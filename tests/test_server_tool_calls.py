@@ -193,3 +193,17 @@ def test_a_refused_pattern_in_tool_parameters_is_reported_at_that_tool() -> None
             forced_tool_constraint(req) if fmt is None else tool_or_answer_constraint(req, fmt)
         assert info.value.param == "tools[1].function.parameters", info.value.message
         assert "at /properties/x/pattern" in info.value.message
+
+
+def test_arguments_are_always_an_object() -> None:
+    """``parameters: {}`` (a tool that declares none) still forces an object; a schema of anything else is a 400
+    at that tool (clients pass the arguments as keyword arguments)."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    schema = forced_tool_constraint(_request(tools=tools, tool_choice="required")).spec.value  # type: ignore[union-attr]
+    jsonschema.validate({"name": "ping", "arguments": {"any": 1}}, schema)
+    for bad in (None, [], "x", 3):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "ping", "arguments": bad}, schema)
+    with pytest.raises(ValueError, match="JSON schema of an object"):
+        _request(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}])
+    _request(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": ["object", "null"]}}}])
