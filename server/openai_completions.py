@@ -19,7 +19,12 @@ from fastapi import APIRouter, Depends, Request
 from radixserve.runtime.request import ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server.chat_core import finish_reason, usage
-from radixserve.server.constraints import at_most_one, body_constraints, compile_constraints
+from radixserve.server.constraints import (
+    at_most_one,
+    body_constraints,
+    compile_constraints,
+    response_format_constraint,
+)
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import bad_request
@@ -70,7 +75,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     check_extra_fields(body, "/v1/completions")
     state.check_model(body.model)
     engine = state.ready_engine()
-    constraint = at_most_one(body_constraints(body))
+    constraint = at_most_one([*body_constraints(body), response_format_constraint(body.response_format)])
     if body.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     if body.best_of is not None and body.best_of != body.n:

@@ -189,6 +189,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = Field(None, description="As in chat (vLLM serves it here too).")
     suffix: str | None = None
     best_of: int | None = None
 

@@ -65,6 +65,7 @@ def _is_object(text: str) -> bool:
         ("/v1/completions", {"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
         ("/v1/completions", {"grammar": 'start: "a" "b"+'}, lambda t: re.fullmatch("ab+", t)),
         ("/v1/completions", {"choices": ["red", "green"]}, lambda t: t in ("red", "green")),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, _is_object),
         ("/generate", {"sampling_params": {"regex": "a+b", "max_new_tokens": 16}}, lambda t: re.fullmatch("a+b", t)),
     ],
 )
