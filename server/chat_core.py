@@ -63,11 +63,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class ToolOutput:
     """How an answer's tool calls are read: ``names`` offered (empty: none are read), ``forced`` (the output is the
     call JSON itself, ``server.tool_calls``), ``bare_json`` (a bare JSON object may be a call; not under the union
-    grammar, where it is the answer)."""
+    grammar, where it is the answer), ``parallel`` (false: ``parallel_tool_calls: false``, at most the first call
+    the model wrote is returned; forced calls are held to one by their grammar instead)."""
 
     names: frozenset[str] = frozenset()
     forced: bool = False
     bare_json: bool = True
+    parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
     group = RequestGroup(engine, state.metrics, state.inflight, name=cid)
     group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
     names = frozenset(t.function.name for t in body.tools or []) if parse_tools and not forced else frozenset()
-    tools = ToolOutput(names, forced, bare_json=not union)
+    tools = ToolOutput(names, forced, bare_json=not union, parallel=body.parallel_tool_calls is not False)
     return ChatRun(group, tools, thinking, cid, int(time.time()), len(prompt_ids))
 
 
@@ -263,6 +265,8 @@ class _ChoiceReader:
         if self.filt is None:
             return []
         rest, self.calls = self.filt.finish()
+        if not self.run.tools.parallel:
+            self.calls = self.calls[:1]
         events: list[Event] = [TextDelta(self.index, "content", rest)] if rest else []
         for k, call in enumerate(self.calls):
             events.append(ToolDelta(self.index, k, call.arguments, call.id, call.name))

@@ -144,6 +144,21 @@ def test_tool_choice_forced(http: httpx.Client, client: openai.OpenAI) -> None:
     assert "radixserve:num_requests_waiting_grammar{" in metrics and 'stat="hits"' in metrics
 
 
+def test_parallel_tool_calls_false_returns_one_call(client: openai.OpenAI) -> None:
+    """Under "auto" the model wrote two calls (forced here by a regex): with ``parallel_tool_calls: false`` only
+    the first comes back, streamed or not, as OpenAI promises."""
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    kw = dict(model=MODEL, messages=USER, tools=tools, max_tokens=200, extra_body={"regex": re.escape(two)})
+    assert [c.function.name for c in client.chat.completions.create(**kw).choices[0].message.tool_calls] == ["f", "g"]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["f"] and one.finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(**kw, parallel_tool_calls=False, stream=True))
+    streamed = [t.function.name for c in chunks if c.choices and c.choices[0].delta.tool_calls
+                for t in c.choices[0].delta.tool_calls if t.function.name]  # fmt: skip
+    assert streamed == ["f"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_grammar_failing_while_decoding_is_a_client_error(http: httpx.Client, stream: bool) -> None:
     r"""This regex passes the compile-time probe and blows the lexer's limit after its ``[bc]`` head: a 400 naming
