@@ -196,6 +196,7 @@ def fit_number_bounds(out: Schema) -> None:
     no value the user's bound excludes is ever admitted. A lower bound already above 9e18 (or an upper one below
     -9e18) has no inward value the backend holds and is left for it to refuse."""
     for node in schema_nodes(out):
+        before = {k: node[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in node}
         for inclusive, exclusive, lower in _SIDES:
             strict = node.get(exclusive)
             if strict is True and is_number(node.get(inclusive)):  # draft 4: the inclusive keyword is the bound
@@ -215,6 +216,14 @@ def fit_number_bounds(out: Schema) -> None:
             value = node.get(inclusive)
             if is_number(value) and abs(value) > EXACT_INTEGERS:
                 node[inclusive] = _inward(value, lower)
+        low, high = node.get("minimum"), node.get("maximum")
+        if is_number(low) and is_number(high) and low > high and before != {"minimum": low, "maximum": high}:
+            raise GrammarError(
+                f"the range {canonical_json(before)} lies between two neighbouring numbers the grammar engine holds "
+                "exactly (past 2**53 it holds only some integers): widen it",
+                kind="unsupported",
+                keyword="minimum",
+            )
 
 
 def _far_side(value: int | float, lower: bool) -> bool:

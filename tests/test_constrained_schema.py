@@ -242,6 +242,10 @@ def test_number_bounds_the_backend_cannot_hold_move_inward() -> None:
         assert rewrite_schema(exact, FORMATS) == exact
     far = {"type": "integer", "minimum": 10**30}  # nothing inward to move to: left for the backend to refuse
     assert rewrite_schema(far, FORMATS) == far
+    narrow = {"type": "integer", "minimum": 2**53 + 1, "maximum": 2**53 + 7}  # between two held bounds: said so
+    with pytest.raises(GrammarError, match="widen it") as err:
+        rewrite_schema(narrow, FORMATS)
+    assert err.value.kind == "unsupported" and str(2**53 + 1) in str(err.value)
 
 
 def test_spec_key_is_canonical() -> None:
