@@ -208,11 +208,9 @@ class EngineProcess(EngineAPI):
         with contextlib.suppress(OSError):
             self._send(ipc.Stop())
         if _wait(self._proc, timeout) is None:
-            logger.warning("the engine process did not stop within %.0f s; terminating it", timeout)
-            self._proc.terminate()
-            if _wait(self._proc, 5) is None:
-                self._proc.kill()
-                _wait(self._proc, 5)
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()  # (it ignores SIGTERM: see _engine_main)
+            _wait(self._proc, 5)
         if self._ready:
             self._reader.join(5)
 
@@ -309,8 +307,11 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
 def _engine_main(config: EngineConfig, conn: Connection, log_level: str, log_format: str) -> None:
     from radixserve.runtime.engine import Engine
 
-    # The front end decides when the engine stops (it drains first); Ctrl+C reaches the whole process group.
+    # The front end decides when the engine stops (it drains first, then sends Stop; past its timeout it kills):
+    # Ctrl+C reaches the whole process group, and so does SIGTERM from supervisors that signal the group
+    # (systemd's control-group kill, dumb-init, `timeout`), which would otherwise cut the drain short.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, log_format)
     try:
         engine = Engine(config, lean_tokenizer=True)  # decoding only here: no transformers import

@@ -43,7 +43,10 @@ from radixserve.server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Anthropic"])
 
-STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+# An answer cut by an abort (``/abort_request``, a shutdown's drain running out) is a paused turn, Anthropic's
+# stop reason for "not finished: send it back (as a prefill) to continue", never ``end_turn``, which would let a
+# client take the cut text for a whole answer. (Not an HTTP error: SDKs retry those, routers fail over on 503s.)
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "pause_turn"}
 
 
 def _request(body: MessagesRequest, state: ServerState) -> ChatCompletionRequest:
@@ -100,11 +103,6 @@ def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
 
 
 def _stop(reason: str, matched: str | int | None) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)``. Anthropic has no stop reason for an answer cut short by an abort
-    (``/abort_request``, a shutdown's drain running out): it is an error, so that no client takes the cut text
-    for a finished answer (Chat says ``finish_reason: "abort"``, Responses ``status: "incomplete"``)."""
-    if reason == "abort":
-        raise APIError(503, "the request was aborted before it finished (by /abort_request or a server shutdown)")
     if reason == "stop" and isinstance(matched, str):
         return "stop_sequence", matched
     return STOP_REASONS.get(reason, "end_turn"), None

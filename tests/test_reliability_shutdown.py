@@ -163,15 +163,21 @@ def test_graceful_stop_in_process(tiny_model_dir: Path) -> None:
 
 
 def test_sigterm_exits_zero_after_draining(tiny_model_dir: Path) -> None:
-    """``python -m server.cli serve`` on SIGTERM: stops accepting, lets the short request finish, aborts the long
-    stream when the grace period ends (it still ends with [DONE]), and exits with status 0. (Each engine step is
-    slowed by a few milliseconds, so that the long stream cannot finish within the grace period.)"""
+    """``python -m server.cli serve`` on SIGTERM (to its process group): stops accepting, lets the short request
+    finish, aborts the long stream when the grace period ends (it still ends with [DONE]), and exits with status
+    0. (Each engine step is slowed by a few milliseconds, so that the long stream cannot finish within the grace
+    period.)"""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", SLOW_CLI, "serve", "--model", str(tiny_model_dir), "--device", "cpu"]
     cmd += ["--port", str(port), "--max-total-tokens", "4096", "--shutdown-grace-period", str(GRACE_S)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # In a session of its own, so that SIGTERM goes to the whole group, as supervisors send it (systemd's
+    # control-group kill, dumb-init, `timeout`): the engine process gets it too and must leave the drain to the
+    # front end.
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         wait_healthy(proc, url)
         started, stream = _stream_in_background(url, LONG)
@@ -179,7 +185,7 @@ def test_sigterm_exits_zero_after_draining(tiny_model_dir: Path) -> None:
         short = _post_in_background(url, "/v1/completions", SHORT)
         time.sleep(0.2)
         begin = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         _assert_aborted_stream(stream.result(GRACE_S + 30))
         resp = short.result(30)
         assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
