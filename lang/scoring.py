@@ -100,11 +100,14 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
 
 
 def _prompt_logprobs(backend: Backend, ids: Sequence[Sequence[int]], start: int) -> list[list[float]]:
-    """``backend.prompt_logprobs`` in batches of ``SCORE_BATCH``: one request per choice, and a server refuses
-    more queued requests than its queue holds (a 429 that no retry could fix)."""
+    """``backend.prompt_logprobs`` in batches of ``SCORE_BATCH``, and of at most half the engine's queue: one
+    request per choice, and an engine refuses a batch larger than its queue every time (a 429 no retry could fix;
+    a batch that fits is retried while the queue is full)."""
+    bound = backend.queue_bound()
+    size = SCORE_BATCH if bound is None else max(1, min(SCORE_BATCH, bound // 2))
     rows: list[list[float]] = []
-    for i in range(0, len(ids), SCORE_BATCH):
-        rows += backend.prompt_logprobs(list(ids[i : i + SCORE_BATCH]), start)
+    for i in range(0, len(ids), size):
+        rows += backend.prompt_logprobs(list(ids[i : i + size]), start)
     return rows
 
 

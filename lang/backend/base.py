@@ -72,6 +72,11 @@ class Backend(ABC):
     def flush_cache(self) -> None:
         """Drop every cached prefix (the server refuses while requests run: ``BackendError``)."""
 
+    def queue_bound(self) -> int | None:
+        """The most requests the engine queues (``--max-queued-requests``), or None where unknown: ``select``
+        scores its choices in batches that fit."""
+        return None
+
     def role_markers(self) -> RoleMarkers:
         """The served model's role markers, derived once (see ``lang.chat_template``)."""
         with self._markers_lock:

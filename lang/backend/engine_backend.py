@@ -7,13 +7,17 @@ the server would answer) whichever backend it runs on.
 
 from __future__ import annotations
 
+import itertools
 import queue
+import random
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixserve.constrained import GrammarError
 from radixserve.lang.backend.base import Backend, GenOutput
 from radixserve.lang.errors import BackendError
+from radixserve.runtime.errors import EngineOverloadedError
 from radixserve.runtime.request import FinishReason, ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server.constraints import native_constraint
@@ -25,6 +29,8 @@ from radixserve.server.tokens import TokenNames, encode
 
 if TYPE_CHECKING:
     from radixserve.runtime.engine import Engine
+
+OVERLOAD_PATIENCE_S = 600.0  # how long a request refused for a full queue is sent again (RuntimeEndpoint: timeout)
 
 
 class EngineBackend(Backend):
@@ -76,12 +82,31 @@ class EngineBackend(Backend):
         return encode(self.engine.tokenizer, text, add_special_tokens=False)
 
     def _submit(self, ids: Sequence[int], params: SamplingParams) -> tuple[str, queue.SimpleQueue[ReqOutput]]:
-        outputs: queue.SimpleQueue[ReqOutput] = queue.SimpleQueue()
-        try:
-            rid = self.engine.submit(ids, params, outputs.put)
-        except Exception as exc:  # noqa: BLE001 - mapped to the status the HTTP server would answer
-            raise _backend_error(from_engine_error(exc, native=True)) from None
-        return rid, outputs
+        return self._submit_all([ids], params)[0]
+
+    def _submit_all(
+        self, batch: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[tuple[str, queue.SimpleQueue[ReqOutput]]]:
+        """Submit every sequence or none. While the engine's queue is full the batch is sent again after a
+        growing, jittered wait (within ``OVERLOAD_PATIENCE_S``), as ``RuntimeEndpoint`` retries a 429."""
+        patience = time.monotonic() + OVERLOAD_PATIENCE_S
+        for attempt in itertools.count():
+            submitted: list[tuple[str, queue.SimpleQueue[ReqOutput]]] = []
+            try:
+                for ids in batch:
+                    outputs: queue.SimpleQueue[ReqOutput] = queue.SimpleQueue()
+                    submitted.append((self.engine.submit(ids, params, outputs.put), outputs))
+                return submitted
+            except Exception as exc:  # noqa: BLE001 - mapped to the status the HTTP server would answer
+                for rid, _ in submitted:
+                    self.engine.abort(rid)
+                if not isinstance(exc, EngineOverloadedError) or time.monotonic() >= patience:
+                    raise _backend_error(from_engine_error(exc, native=True)) from None
+            time.sleep(min(0.05 * 2**attempt, 2.0) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
+
+    def queue_bound(self) -> int | None:
+        return int(self.engine.config.max_queued_requests)
 
     def _wait(self, rid: str, outputs: queue.SimpleQueue[ReqOutput], on_text: Callable[[str], None] | None) -> Result:
         """Accumulate the request's outputs; an exception here (e.g. from ``on_text``) aborts the request."""
@@ -149,7 +174,7 @@ class EngineBackend(Backend):
         if start < 1:
             raise ValueError("prompt_logprobs: start must be >= 1 (nothing predicts the first token)")
         params = self._params({"max_new_tokens": 0}, True, 0, start)
-        submitted = [self._submit(ids, params) for ids in input_ids]  # all at once: one batch, shared head once
+        submitted = self._submit_all(input_ids, params)  # all at once: one batch, shared head once
         out = []
         for ids, (rid, outputs) in zip(input_ids, submitted):
             entries = prompt_entries(ids, self._wait(rid, outputs, None).prompt_logprobs)[start:]

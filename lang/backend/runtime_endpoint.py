@@ -2,12 +2,17 @@
 
 Requests carry text; the server tokenizes it. Every HTTP error becomes a ``BackendError`` with the server's
 status, message and parameter name; a server that cannot be reached is a ``BackendError`` with ``status=None``.
+A request refused because the server's queue is full (429: a ``select`` sends one scoring request per choice, and
+``run_batch`` many programs at once) is sent again after the wait the server asks for, within ``timeout``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +21,14 @@ import requests
 from radixserve.lang.backend.base import Backend, GenOutput
 from radixserve.lang.errors import BackendError
 
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = 600.0  # also how long a request refused for a full queue (429) is retried
+
+
+def _retry_after(resp: requests.Response, default: float) -> float:
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", "")))
+    except ValueError:
+        return default
 
 
 class RuntimeEndpoint(Backend):
@@ -29,6 +41,7 @@ class RuntimeEndpoint(Backend):
         self.api_key = api_key
         self.timeout = timeout
         self._local = threading.local()
+        self._queue_bound: int | None = None  # 0: the server did not say
 
     def __repr__(self) -> str:
         return f"RuntimeEndpoint({self.base_url!r})"
@@ -51,10 +64,21 @@ class RuntimeEndpoint(Backend):
         except (TypeError, ValueError) as exc:
             raise BackendError(f"the request to {path} cannot be sent as JSON: {exc}") from None
         headers = None if data is None else {"Content-Type": "application/json"}
-        try:
-            resp = self._session().request(method, url, data=data, headers=headers, stream=stream, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise BackendError(f"cannot reach the server at {self.base_url}: {exc}") from None
+        patience = time.monotonic() + self.timeout
+        for attempt in itertools.count():
+            try:
+                resp = self._session().request(
+                    method, url, data=data, headers=headers, stream=stream, timeout=self.timeout
+                )
+            except requests.RequestException as exc:
+                raise BackendError(f"cannot reach the server at {self.base_url}: {exc}") from None
+            if resp.status_code != 429 or time.monotonic() >= patience:
+                break
+            # The queue was full and nothing of the request was kept (a batch is all or nothing): wait as the
+            # server asks, with jitter so that a run_batch's threads do not come back together, and send it again.
+            with resp:
+                wait = _retry_after(resp, default=min(0.05 * 2**attempt, 2.0))
+            time.sleep(min(wait * (0.5 + random.random()), max(0.0, patience - time.monotonic())))
         if resp.status_code >= 400:
             with resp:
                 raise _http_error(resp)
@@ -127,6 +151,16 @@ class RuntimeEndpoint(Backend):
 
     def server_info(self) -> dict[str, Any]:
         return dict(self._call("GET", "/server_info"))
+
+    def queue_bound(self) -> int | None:
+        """From ``/server_info`` once (through a router: one replica's, and every replica runs the same config)."""
+        if self._queue_bound is None:
+            try:
+                bound = self.server_info().get("config", {}).get("max_queued_requests")
+            except BackendError:
+                return None
+            self._queue_bound = int(bound) if isinstance(bound, int) and bound > 0 else 0
+        return self._queue_bound or None
 
     def flush_cache(self) -> None:
         self._call("POST", "/flush_cache")
