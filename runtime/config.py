@@ -12,6 +12,7 @@ import functools
 import logging
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -282,6 +283,30 @@ class _Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+ENV_ERROR = "env_error__"  # namespace attributes holding a bad switch variable's error (check_env_errors)
+
+
+def _typed(tp: Callable[[str], Any], env_name: str, env_value: str | None) -> Callable[[str], Any]:
+    """``tp`` as an argparse type whose error names the variable when the text came from it."""
+
+    def convert(text: str) -> Any:
+        try:
+            return tp(text)
+        except ValueError:
+            source = f" (from {env_name})" if text == env_value else ""
+            raise argparse.ArgumentTypeError(f"expected {getattr(tp, '__name__', tp)}, got {text!r}{source}") from None
+
+    convert.__name__ = getattr(tp, "__name__", "value")
+    return convert
+
+
+def check_env_errors(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """``parser.error`` for a ``RADIXSERVE_*`` switch of the parsed command that is not a boolean."""
+    for name, message in vars(ns).items():
+        if name.startswith(ENV_ERROR) and message:
+            parser.error(message)
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one ``--flag`` (plus its aliases) per field of the dataclass ``cls``; defaults honour ``RADIXSERVE_*``
     variables. A ``tuple[str, ...]`` field takes one or more values (``--flag a b``; the variable: ``a,b``)."""
@@ -291,17 +316,23 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         env_value = envs.get(f.name.upper())
         help_text = f.metadata.get("help", "")
         if tp is bool:
-            default = envs.get_bool(f.name.upper(), f.default)
+            try:
+                default = envs.get_bool(f.name.upper(), f.default)
+            except ValueError as exc:  # reported when this command is parsed (check_env_errors), not by every one
+                default = f.default
+                parser.set_defaults(**{ENV_ERROR + f.name: str(exc)})
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
         if typing.get_origin(tp) is tuple:
             default = tuple(v for v in env_value.split(",") if v) if env_value is not None else f.default
             parser.add_argument(*flags, nargs="+", type=str, default=default, help=f"{help_text}")
             continue
-        default = tp(env_value) if env_value is not None else f.default
+        # A variable's text is the default as it is, so that argparse converts it only for the command being
+        # parsed, and a bad one is a one-line error naming the variable (_typed) rather than a traceback.
+        default = env_value if env_value is not None else f.default
         parser.add_argument(
             *flags,
-            type=tp,
+            type=_typed(tp, envs.PREFIX + f.name.upper(), env_value),
             default=default,
             choices=f.metadata.get("choices"),
             # A secret's default may come from the environment: never print it in --help.

@@ -19,10 +19,17 @@ def get(name: str, default: str | None = None) -> str | None:
 
 
 def get_bool(name: str, default: bool = False) -> bool:
+    """``RADIXSERVE_<name>`` as a switch; a value that is not one is a ``ValueError`` naming the variable (a typo
+    such as "flase" must not silently turn a default-on switch off)."""
     value = get(name)
     if value is None:
         return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{PREFIX}{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
 
 
 def cache_dir() -> Path:

@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import NoReturn
 
-from radixserve.runtime.config import EngineConfig, add_arguments, from_args
+from radixserve.runtime import envs
+from radixserve.runtime.config import EngineConfig, add_arguments, check_env_errors, from_args
 from radixserve.runtime.logs import configure_logging
 from radixserve.server.config import ServerConfig
 
@@ -130,17 +134,19 @@ async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicor
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_env_errors(parser, args)
+    errors = _EnvHints(parser, argv)
     if args.command == "router":
-        return _router(parser, args)
+        return _router(errors, args)
     if args.command == "ray-serve":
-        return _ray_serve(parser, args)
+        return _ray_serve(errors, args)
     if args.model_tag:
         args.model = args.model_tag
     try:
         engine_config = from_args(EngineConfig, args)
         server_config = from_args(ServerConfig, args)
     except ValueError as exc:
-        parser.error(str(exc))
+        errors.error(str(exc))
     configure_logging(server_config.log_level, server_config.log_format)
     if engine_config.node_rank > 0:
         from radixserve.runtime.distributed import run_worker_node
@@ -148,7 +154,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_worker_node(engine_config)  # tensor-parallel ranks only; node 0 serves
     return serve(engine_config, server_config)
 
-def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+
+class _EnvHints:
+    """The parser, whose ``error`` names the ``RADIXSERVE_*`` variables behind the flags a message names (a value
+    from the environment is otherwise hard to tell from a default), e.g. "--dtype must be ... (set by
+    RADIXSERVE_DTYPE='fp8')"."""
+
+    def __init__(self, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+        self.parser = parser
+        self.given = set(sys.argv[1:] if argv is None else argv)
+
+    def error(self, message: str) -> NoReturn:
+        hints = []
+        for flag in dict.fromkeys(re.findall(r"--([a-z][a-z0-9-]*)", message)):
+            name = envs.PREFIX + flag.upper().replace("-", "_")
+            if os.environ.get(name) and not any(g.split("=")[0] == f"--{flag}" for g in self.given):
+                hints.append(f"{name}={os.environ[name]!r}")
+        self.parser.error(message + (f" (set by {', '.join(hints)})" if hints else ""))
+
+
+def _router(parser: _EnvHints, args: argparse.Namespace) -> int:
     from radixserve.server.router.config import RouterConfig, RoutingConfig
     from radixserve.server.router.process import run_router
 
@@ -160,7 +185,7 @@ def _router(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return run_router(config, routing)
 
 
-def _ray_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _ray_serve(parser: _EnvHints, args: argparse.Namespace) -> int:
     from radixserve.server.router.config import RayServeConfig, RoutingConfig
 
     try:

@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 
-from radixserve.runtime.config import EngineConfig, from_args
 from radixserve.runtime.engine import Engine
 from radixserve.server import ServerConfig, create_app
-from radixserve.server.cli import build_parser
 from radixserve.server.testing import ServerThread
 
 MODEL = "tiny"
@@ -376,15 +374,6 @@ def test_null_fields_mean_defaults(http: httpx.Client) -> None:
     nulls = {k: None for k in ("temperature", "top_p", "n", "stop", "seed", "logprobs", "stream", "tools", "user")}
     resp = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **nulls})
     assert resp.status_code == 200 and len(resp.json()["choices"]) == 1
-
-
-def test_cli_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RADIXSERVE_API_KEY", "from-env")
-    args = build_parser().parse_args(["serve", "--model", "m", "--port", "1234", "--max-total-tokens", "64"])
-    assert from_args(ServerConfig, args) == ServerConfig(port=1234, api_key="from-env")
-    assert from_args(EngineConfig, args).max_total_tokens == 64
-    with pytest.raises(ValueError, match="chat-template"):
-        ServerConfig(chat_template="no/such/template.jinja")
 
 
 # --- native routes --------------------------------------------------------------------------------------------
