@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -73,6 +74,11 @@ def _add_router_commands(commands: argparse._SubParsersAction) -> None:
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logger.info("engine config: %s", json.dumps(asdict(engine_config)))
     logger.info("server config: %s", json.dumps(server_config.redacted()))
+    try:  # before the engine starts: a port in use must not cost a model load (and leave an engine behind)
+        sock = _bind(server_config.host, server_config.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d (--host, --port): %s", server_config.host, server_config.port, exc)
+        return 1
     if server_config.engine_process:
         from radixserve.runtime.engine_spawn import spawn_engine_process
 
@@ -112,7 +118,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     async def run() -> int:
         watcher = asyncio.ensure_future(_stop_on_load_failure(server, app.state.server))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
             watcher.cancel()
         return 1 if app.state.server.load_error or not server.started else 0
@@ -121,6 +127,19 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         return asyncio.run(run())
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it handled, after a clean shutdown
         return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it once the app is imported)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicorn.Server, ServerState

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from radixserve.runtime.config import EngineConfig, from_args
@@ -43,3 +45,17 @@ def test_a_bad_variable_is_a_one_line_error_naming_it(
     monkeypatch.setenv("RADIXSERVE_DTYPE", "fp8")
     assert "(set by RADIXSERVE_DTYPE='fp8')" in _error(["serve", "--model", "m"], capsys)
     assert "RADIXSERVE_DTYPE" not in _error(["serve", "--model", "m", "--dtype", "fp8"], capsys)
+
+
+def test_a_port_in_use_fails_before_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Status 1 and a line naming the port, without loading a model (an engine started first was left behind)."""
+    import radixserve.runtime.engine_spawn as spawn
+
+    def no_engine(*_: object, **__: object) -> None:
+        raise AssertionError("the engine was started for a server that cannot listen")
+
+    monkeypatch.setattr(spawn, "spawn_engine_process", no_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--model", "m", "--port", str(taken.getsockname()[1])]) == 1
