@@ -140,12 +140,12 @@ def gen(
     server's ``sampling_params`` as is; the server decides whether it can honour them. Other keyword arguments are
     further sampling parameters (``min_tokens``, ``seed``, ``ignore_eos``, ``stop_token_ids``, penalties).
     """
+    named = {"max_tokens": max_tokens, "stop": stop, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    params = sampling_dict({**named, "min_p": min_p, **sampling})  # a misspelt name is a TypeError here
     if choices is not None:
         if regex is not None or json_schema is not None:
             raise ValueError("gen: give at most one of choices, regex and json_schema")
-        return select(name, choices, method=choices_method)
-    named = {"max_tokens": max_tokens, "stop": stop, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    params = sampling_dict({**named, "min_p": min_p, **sampling})
+        return select(name, choices, method=choices_method)  # (scored: sampling parameters have no effect)
     if regex is not None and json_schema is not None:
         raise ValueError("gen: give at most one of regex and json_schema")
     if regex is not None:

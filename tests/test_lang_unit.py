@@ -258,6 +258,8 @@ def test_select_validation() -> None:
         select("x", "ab")
     with pytest.raises(ValueError, match="method"):
         select("x", ["a"], method="best")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_tokns"):  # checked with choices too (where none has an effect)
+        gen("x", choices=["a", "b"], max_tokns=3)
     with pytest.raises(ValueError, match="needs a prompt"):
         choice_spans([], [[7]])
 
