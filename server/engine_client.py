@@ -131,12 +131,15 @@ class RequestGroup:
 
     def _record(self, index: int, out: ReqOutput) -> None:
         now = time.monotonic()
-        last = self._last[index]
-        if last is None:
-            self.metrics.first_output(now - self._start[index], out.queue_time)
-        else:
-            self.metrics.next_output(now - last)
-        self._last[index] = now
+        if out.queue_time is not None:  # (on a request's first message)
+            self.metrics.queued(out.queue_time)
+        if out.completion_tokens > 0:  # time to a first token, and between tokens, only where tokens came
+            last = self._last[index]  # (a prefill-only request, a select's scoring, a failure: none)
+            if last is None:
+                self.metrics.first_token(now - self._start[index])
+            else:
+                self.metrics.next_output(now - last)
+            self._last[index] = now
         if out.finished:
             self._done[index] = True
             self.inflight.pop(self.rids[index], None)

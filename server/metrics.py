@@ -197,10 +197,11 @@ class Metrics:
         self._engine_grammar_queue = 0
         self.grammar_waiting.labels(model_name).set(0)
 
-    def first_output(self, seconds: float, queue_time: float | None) -> None:
+    def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
-        if queue_time is not None:
-            self.queue.labels(self.model_name).observe(queue_time)
+
+    def queued(self, seconds: float) -> None:
+        self.queue.labels(self.model_name).observe(seconds)
 
     def next_output(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)

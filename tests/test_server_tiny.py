@@ -425,6 +425,7 @@ def test_server_info_flush_metrics(http: httpx.Client) -> None:
     assert {"total_tokens", "free_tokens", "in_use_tokens"} <= set(info["kv_cache"])
     assert http.post("/flush_cache").json()["success"] is True
     assert http.get("/server_info").json()["kv_cache"]["cached_tokens"] == 0
+    http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
     text = http.get("/metrics").text
     for name in (
         "radixserve:num_requests_running",
@@ -438,6 +439,14 @@ def test_server_info_flush_metrics(http: httpx.Client) -> None:
         'radixserve:request_success_total{finished_reason="length"',
     ):
         assert name.split("{")[0] in text, name
+
+    def count(name: str) -> float:
+        lines = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(f"radixserve:{name}_count{{")]
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    ttft, queued = count("time_to_first_token_seconds"), count("request_queue_time_seconds")
+    http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 0}})  # a prefill: no token
+    assert count("time_to_first_token_seconds") == ttft and count("request_queue_time_seconds") == queued + 1
 
 
 def test_abort_request(http: httpx.Client, server: ServerThread) -> None:
