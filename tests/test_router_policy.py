@@ -170,6 +170,10 @@ def test_dead_replica_is_never_chosen(name: str) -> None:
 def test_death_clears_the_replicas_tree() -> None:
     policy = CacheAwarePolicy()
     pool = ReplicaPool(["a", "b"], policy)
+    pool.mark_dead("a", "loading")  # before any passed health check (still loading): taken out, not counted
+    assert pool.info()["replicas"][0]["times_marked_unhealthy"] == 0
+    for replica in ("a", "b"):
+        pool.mark_alive(replica)  # health checks passed
     text = PREFIXES[2] + "q"
     first = pool.choose(text, set())
     assert first is not None and policy.tree(first.replica).chars > 0

@@ -248,7 +248,9 @@ def test_router_metrics_are_open_parse_and_count_what_happened() -> None:
     assert samples[(p + "replica_healthy", (("replica", "b"),))] == 1.0
     assert samples[(p + "replica_in_flight", (("replica", "b"),))] == 0.0
     assert samples[(p + "requests_routed_total", (("replica", "b"),))] == 3.0
-    assert samples[(p + "replica_marked_unhealthy_total", (("replica", "a"),))] == 1.0
+    assert samples[(p + "replica_marked_unhealthy_total", (("replica", "a"),))] == 1.0  # (after a passed check)
+    assert samples[(p + "requests_retried_elsewhere_total", (("replica", "a"),))] == 1.0
+    assert samples[(p + "requests_refused_total", (("reason", "no_healthy_replica"),))] == 0.0
     assert sum(v for (name, _), v in samples.items() if name == p + "routing_decisions_total") >= 3
 
 

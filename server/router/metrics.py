@@ -26,17 +26,31 @@ class _PoolCollector(Collector):
         in_flight = GaugeMetricFamily(
             f"{PREFIX}replica_in_flight", "Requests the router has in flight on the replica.", labels=["replica"]
         )
-        routed = CounterMetricFamily(f"{PREFIX}requests_routed", "Requests sent to the replica.", labels=["replica"])
+        routed = CounterMetricFamily(
+            f"{PREFIX}requests_routed",
+            "Requests sent to the replica (a request retried elsewhere counts on each replica it was sent to).",
+            labels=["replica"],
+        )
+        retried = CounterMetricFamily(
+            f"{PREFIX}requests_retried_elsewhere",
+            "Requests the replica did not take (no answer, 503 or 429) that went to another replica.",
+            labels=["replica"],
+        )
         failed = CounterMetricFamily(
-            f"{PREFIX}requests_failed", "Requests that failed on the replica before a response.", labels=["replica"]
+            f"{PREFIX}requests_failed",
+            "Requests whose replica failed after it had started to answer (a 502, or an error event in a stream).",
+            labels=["replica"],
         )
         deaths = CounterMetricFamily(
-            f"{PREFIX}replica_marked_unhealthy", "Times the replica was taken out of rotation.", labels=["replica"]
+            f"{PREFIX}replica_marked_unhealthy",
+            "Times the replica was taken out of rotation after it had passed a health check.",
+            labels=["replica"],
         )
         for r in info["replicas"]:
             healthy.add_metric([r["id"]], 1.0 if r["healthy"] else 0.0)
             in_flight.add_metric([r["id"]], r["in_flight"])
             routed.add_metric([r["id"]], r["requests_routed"])
+            retried.add_metric([r["id"]], r["retried_elsewhere"])
             failed.add_metric([r["id"]], r["requests_failed"])
             deaths.add_metric([r["id"]], r["times_marked_unhealthy"])
         decisions = CounterMetricFamily(
@@ -47,10 +61,13 @@ class _PoolCollector(Collector):
         for reason, count in (info["routing"].get("decisions") or {}).items():
             decisions.add_metric([info["policy"], reason], count)
         refused = CounterMetricFamily(
-            f"{PREFIX}requests_refused_no_replica", "Requests refused because no replica was healthy."
+            f"{PREFIX}requests_refused",
+            "Requests the router answered 503 itself: no replica healthy, or every healthy one refused them.",
+            labels=["reason"],
         )
-        refused.add_metric([], info["requests_refused_no_replica"])
-        yield from (healthy, in_flight, routed, failed, deaths, decisions, refused)
+        refused.add_metric(["no_healthy_replica"], info["requests_refused_no_replica"])
+        refused.add_metric(["every_replica_refused"], info["requests_refused_by_every_replica"])
+        yield from (healthy, in_flight, routed, retried, failed, deaths, decisions, refused)
 
 
 def router_registry(pool: ReplicaPool) -> CollectorRegistry:

@@ -203,8 +203,10 @@ class Forwarder:
                 decision = self.pool.choose(text, excluded)
                 replica = decision.replica if decision else None
             if replica is None:
-                self.pool.no_replica += 1
-                why = "all replicas are unhealthy" if not self.pool.any_healthy() else "every replica refused it"
+                healthy = self.pool.any_healthy()
+                self.pool.no_replica += not healthy
+                self.pool.all_refused += healthy
+                why = "every replica refused it" if healthy else "all replicas are unhealthy"
                 return error_response(503, f"no replica can take the request: {why}", "no_healthy_replica", True)
             lease = _Lease(self.pool, replica)
             try:

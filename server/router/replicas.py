@@ -32,7 +32,8 @@ class Replica:
     routed: int = 0
     failed: int = 0
     retried_elsewhere: int = 0
-    deaths: int = 0
+    deaths: int = 0  # times taken out of rotation after it had served (a replica still loading does not count)
+    served: bool = False  # it has passed a health check
     external_load: int = 0
     last_error: str = ""
     since: float = 0.0
@@ -52,6 +53,7 @@ class ReplicaPool:
         self.replicas = {rid: Replica(rid, since=now) for rid in ids}
         self.policy = policy
         self.no_replica = 0  # requests refused because no replica was healthy
+        self.all_refused = 0  # requests refused because every healthy replica refused them (429)
 
     def candidates(self, exclude: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
         """Healthy replicas not in ``exclude``, with their loads, in the configured order."""
@@ -86,13 +88,14 @@ class ReplicaPool:
         if replica.healthy:
             logger.warning("replica %s is unhealthy, taking it out of rotation: %s", rid, why)
             replica.healthy = False
-            replica.deaths += 1
+            replica.deaths += replica.served
             replica.external_load = 0
             replica.since = time.monotonic()
             self.policy.forget(rid)
 
     def mark_alive(self, rid: str) -> None:
         replica = self.replicas[rid]
+        replica.served = True
         if not replica.healthy:
             logger.info("replica %s is healthy again, back in rotation", rid)
             replica.healthy = True
@@ -127,4 +130,5 @@ class ReplicaPool:
             "replicas": replicas,
             "routing": self.policy.stats.as_dict(),
             "requests_refused_no_replica": self.no_replica,
+            "requests_refused_by_every_replica": self.all_refused,
         }
