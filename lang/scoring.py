@@ -65,7 +65,7 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
     prompt_ids, full = ids[0], ids[1:]
     starts = choice_spans(prompt_ids, full)
     start = min(starts)
-    rows = _prompt_logprobs(backend, full, start)
+    rows = _prompt_logprobs(backend, full, start, prompt)
     token_lps = [row[s - start :] for row, s in zip(rows, starts)]
     means = [_mean(lps) for lps in token_lps]
     meta: dict[str, Any] = {
@@ -99,7 +99,9 @@ def score_choices(backend: Backend, prompt: str, choices: Sequence[str], method:
     return SelectResult(best, choices[best], meta)
 
 
-def _prompt_logprobs(backend: Backend, ids: Sequence[Sequence[int]], start: int) -> list[list[float]]:
+def _prompt_logprobs(
+    backend: Backend, ids: Sequence[Sequence[int]], start: int, text: str | None = None
+) -> list[list[float]]:
     """``backend.prompt_logprobs`` in batches of ``SCORE_BATCH``, and of at most half the engine's queue: one
     request per choice, and an engine refuses a batch larger than its queue every time (a 429 no retry could fix;
     a batch that fits is retried while the queue is full)."""
@@ -107,7 +109,7 @@ def _prompt_logprobs(backend: Backend, ids: Sequence[Sequence[int]], start: int)
     size = SCORE_BATCH if bound is None else max(1, min(SCORE_BATCH, bound // 2))
     rows: list[list[float]] = []
     for i in range(0, len(ids), size):
-        rows += backend.prompt_logprobs(list(ids[i : i + size]), start)
+        rows += backend.prompt_logprobs(list(ids[i : i + size]), start, text)
     return rows
 
 

@@ -206,6 +206,9 @@ class GenerateRequest(_NullIsDefault):
     top_logprobs_num: int = Field(0, ge=0)
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    routing_text: str | None = Field(
+        None, description="Not read here: the text a router in front routes an input_ids request by (no tokenizer)."
+    )
 
 
 class AbortRequest(_Lenient):

@@ -44,3 +44,20 @@ def test_a_batch_of_selects_fits_a_small_queue(engine: Engine, over_http: bool) 
         states = pick.run_batch(inputs, backend=backend, num_threads=6)
     assert [s["choice"] in CHOICES for s in states] == [True] * 6
     assert engine.num_unfinished == 0
+
+
+def test_select_names_the_text_it_continues_for_a_router(engine: Engine) -> None:
+    """A router has no tokenizer: the scoring request (token ids) carries the program's text to route by."""
+    with ServerThread(create_app(engine, ServerConfig())) as srv:
+        backend = RuntimeEndpoint(srv.url)
+        sent: list[dict] = []
+        call = backend._call
+
+        def spy(method: str, path: str, body: dict | None = None, stream: bool = False) -> object:
+            sent.append(body or {})
+            return call(method, path, body, stream)
+
+        backend._call = spy  # type: ignore[method-assign]
+        pick.run(text="Question 1.", backend=backend)
+    scoring = [b for b in sent if "input_ids" in b]  # (in batches of 2: half the queue)
+    assert len(scoring) == 6 and {b["routing_text"] for b in scoring} == {"Question 1. The answer is"}

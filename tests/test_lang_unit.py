@@ -101,7 +101,9 @@ class FakeBackend(Backend):
                 for s in texts
             ]
 
-    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+    def prompt_logprobs(
+        self, input_ids: list[list[int]], start: int, routing_text: str | None = None
+    ) -> list[list[float]]:
         self._log("prompt_logprobs", (input_ids, start))
         names = {v: k for k, v in self.vocab.items()}
         return [[self.scores.get(names[t], -5.0) for t in ids[start:]] for ids in input_ids]

@@ -223,6 +223,10 @@ def test_routing_text_prefix_property() -> None:
     ids = routing_text("/generate", {"input_ids": [1, 2, 3]})
     assert ids == "1,2,3," and routing_text("/generate", {"input_ids": [1, 2, 3, 4]}).startswith(ids)
     assert routing_text("/generate", {"text": "abc"}) == "abc"
+    # The DSL's select scores token ids and names the text they continue: routed with the program's requests.
+    program = routing_text("/generate", {"text": "Review: great. Sentiment:"})
+    select_ = routing_text("/generate", {"input_ids": [[7, 8, 9]], "routing_text": "Review: great. Sentiment:"})
+    assert select_ == program
     assert routing_text("/v1/completions", {"prompt": "abc"}) == "abc"
     assert routing_text("/v1/completions", {"prompt": [5, 6]}) == "5,6,"
     assert routing_text("/v1/completions", {"prompt": ["ab", "cd"]}) == "ab\x1ecd"

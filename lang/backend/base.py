@@ -56,9 +56,12 @@ class Backend(ABC):
         """Token ids of each text exactly as the backend tokenizes a text prompt."""
 
     @abstractmethod
-    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+    def prompt_logprobs(
+        self, input_ids: list[list[int]], start: int, routing_text: str | None = None
+    ) -> list[list[float]]:
         """For each sequence, the log-probabilities of its tokens ``start, start + 1, ...`` given the tokens before
-        them (``start >= 1``), from one batched request so a shared head is computed once."""
+        them (``start >= 1``), from one batched request so a shared head is computed once. ``routing_text``: the
+        text the sequences continue, for a router in front of the server to route by (it has no tokenizer)."""
 
     @abstractmethod
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

@@ -170,7 +170,9 @@ class EngineBackend(Backend):
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [self._encode(t) for t in texts]
 
-    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+    def prompt_logprobs(
+        self, input_ids: list[list[int]], start: int, routing_text: str | None = None
+    ) -> list[list[float]]:
         if start < 1:
             raise ValueError("prompt_logprobs: start must be >= 1 (nothing predicts the first token)")
         params = self._params({"max_new_tokens": 0}, True, 0, start)

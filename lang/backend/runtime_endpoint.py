@@ -133,7 +133,9 @@ class RuntimeEndpoint(Backend):
             return []
         return [list(t) for t in self._call("POST", "/tokenize", {"prompt": list(texts)})["tokens"]]
 
-    def prompt_logprobs(self, input_ids: list[list[int]], start: int) -> list[list[float]]:
+    def prompt_logprobs(
+        self, input_ids: list[list[int]], start: int, routing_text: str | None = None
+    ) -> list[list[float]]:
         if start < 1:
             raise ValueError("prompt_logprobs: start must be >= 1 (nothing predicts the first token)")
         body = {
@@ -142,6 +144,8 @@ class RuntimeEndpoint(Backend):
             "return_logprob": True,
             "logprob_start_len": start,
         }
+        if routing_text is not None:
+            body["routing_text"] = routing_text
         results = self._call("POST", "/generate", body)
         return [[float(e[0]) for e in r["meta_info"]["input_token_logprobs"]] for r in results]
 

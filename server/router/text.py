@@ -7,8 +7,10 @@ two requests whose prompts share a long head also share a long head here. So:
   * Messages (``/v1/messages``) and Responses (``/v1/responses``): read as chat, the system prompt or the
     instructions as a first system message;
   * completions (``/v1/completions``): the prompt (a batch: its prompts joined by record separators);
-  * native ``/generate``: ``text`` the same way, or ``input_ids`` as ``"1,2,3,"`` (each id followed by a comma,
-    so a shorter id list is a prefix of a longer one that starts the same).
+  * native ``/generate``: its ``routing_text`` where the client gives one (token ids whose text it knows: the
+    DSL's ``select`` gives the text its choices continue, so that it goes where the program's other requests
+    went), else ``text`` the same way, or ``input_ids`` as ``"1,2,3,"`` (each id followed by a comma, so a
+    shorter id list is a prefix of a longer one that starts the same).
 Anything unexpected (a malformed body the replica will refuse) gives the empty string, which matches nothing.
 """
 
@@ -91,6 +93,8 @@ def routing_text(path: str, body: Any) -> str:
         if path.endswith("/completions"):
             return _prompt(body.get("prompt"))
         if path.endswith("/generate"):
+            if isinstance(body.get("routing_text"), str):  # token ids with the text they continue (the DSL's select)
+                return body["routing_text"]
             if body.get("text") is not None:
                 return _prompt(body["text"])
             return _prompt(body.get("input_ids"))
