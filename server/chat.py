@@ -30,8 +30,7 @@ _RESERVED_KWARGS = {
 TOOLS_SYSTEM_PROMPT = (
     "You may call one or more of the functions below to help with the user's request. To call a function, "
     'reply with <tool_call>{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}</tool_call> '
-    "(one block per call) and nothing else; each result comes back as <tool_response>...</tool_response>. If no "
-    "function is needed, answer normally.\n\n"
+    "(one block per call) and nothing else. If no function is needed, answer normally.\n\n"
     "Functions:\n{functions}"
 )
 
@@ -110,28 +109,24 @@ def _template_source(tokenizer: Any, override: str | None) -> str:
 
 
 def _inline_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation for a template that cannot render tool calls (it never reads ``tool_calls``): each
-    earlier call is written into its assistant turn as the ``<tool_call>`` block ``TOOLS_SYSTEM_PROMPT`` asks for,
-    and the results that answer them become one user turn of ``<tool_response>`` blocks (Hermes' convention), so
-    the model sees the calls it made before their results, and user and assistant turns still alternate."""
+    """The conversation for a template that cannot render tool calls (it never reads ``tool_calls``): each tool
+    result names the call it answers (``get_weather({"city": "Paris"}) returned: ...``), so the model sees what was
+    called. (Writing the calls into the assistant turns instead, as ``<tool_call>`` blocks, made a small model
+    repeat the call in a loop rather than answer: tests/test_agent_frameworks.py.)"""
+    calls = {
+        c.get("id"): c["function"]
+        for m in messages
+        if m["role"] == "assistant"
+        for c in m.get("tool_calls") or []
+    }
     out: list[dict[str, Any]] = []
     for msg in messages:
-        if msg["role"] == "assistant" and msg.get("tool_calls"):
-            calls = [
-                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg["tool_calls"]
-            ]
-            blocks = [f"<tool_call>{json.dumps(call, ensure_ascii=False)}</tool_call>" for call in calls]
-            text = "\n".join([msg["content"], *blocks] if msg["content"] else blocks)
-            out.append({k: v for k, v in msg.items() if k != "tool_calls"} | {"content": text})
-        elif msg["role"] == "tool":
-            block = f"<tool_response>\n{msg['content']}\n</tool_response>"
-            if out and out[-1].get("tool_results"):  # the results of parallel calls: one turn
-                out[-1] = dict(out[-1], content=f"{out[-1]['content']}\n{block}")
-            else:
-                out.append({"role": "user", "content": block, "tool_results": True})
-        else:
-            out.append(msg)
-    return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+        call = calls.get(msg.get("tool_call_id")) if msg["role"] == "tool" else None
+        if call is not None:
+            arguments = json.dumps(call["arguments"], ensure_ascii=False)
+            msg = dict(msg, content=f"{call['name']}({arguments}) returned:\n{msg['content']}")
+        out.append(msg)
+    return out
 
 
 def _with_tools_system_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
