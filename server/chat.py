@@ -114,10 +114,7 @@ def _inline_tool_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     called. (Writing the calls into the assistant turns instead, as ``<tool_call>`` blocks, made a small model
     repeat the call in a loop rather than answer: tests/test_agent_frameworks.py.)"""
     calls = {
-        c.get("id"): c["function"]
-        for m in messages
-        if m["role"] == "assistant"
-        for c in m.get("tool_calls") or []
+        c.get("id"): c["function"] for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or []
     }
     out: list[dict[str, Any]] = []
     for msg in messages:
