@@ -133,7 +133,8 @@ class Engine(EngineAPI):
         tier = None
         if config.enable_hierarchical_cache:
             layout = (args.num_layers, kv_heads, args.head_dim)
-            key = model_key(loaded.folder, loaded.dtype, config.quantization, layout, 0, config.tp)
+            weights = f"dummy:{config.seed}" if config.load_format == "dummy" else "checkpoint"
+            key = model_key(loaded.folder, loaded.dtype, config.quantization, layout, 0, config.tp, weights)
             directory = Path(config.hicache_dir).expanduser() if config.hicache_dir else envs.cache_dir() / "kv-tier"
             capacity = int(config.hicache_size * 2**30)
             tier = KVTier(TierConfig(directory, capacity, config.hicache_chunk_tokens, key), pool)

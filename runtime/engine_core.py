@@ -65,7 +65,8 @@ class EngineCore:
         self._to_propose: list[Req] = []  # requests that took a token this step: they may draft for the next
         # Overlap (CUDA graphs): a greedy decode step launched and not applied yet; the next is launched before it
         # is read back, so the device runs while its results are applied (``_advance``).
-        self.overlap = runner.graphs is not None and not config.disable_overlap_schedule and drafter is None
+        # (self.drafter: an ngram drafter is made above, with no drafter passed in)
+        self.overlap = runner.graphs is not None and not config.disable_overlap_schedule and self.drafter is None
         self._pending: PendingStep | None = None
 
     # --- admission ----------------------------------------------------------------------------------------

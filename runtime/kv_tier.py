@@ -54,10 +54,18 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json")
 
 
 def model_key(
-    folder: Path, dtype: torch.dtype, quantization: str, kv_shape: tuple[int, int, int], tp_rank: int, tp_size: int
+    folder: Path,
+    dtype: torch.dtype,
+    quantization: str,
+    kv_shape: tuple[int, int, int],
+    tp_rank: int,
+    tp_size: int,
+    weights: str = "checkpoint",
 ) -> str:
     """A hash of everything that makes KV valid: the weight and config files (name, size, modification time), the
-    dtype, the weight format, the KV layout (layers, KV heads, head size) and the tensor-parallel rank."""
+    dtype, the weight format, the KV layout (layers, KV heads, head size), the tensor-parallel rank, and where the
+    weights came from (``weights``: "checkpoint", or "dummy:<seed>" for ``--load-format dummy``, whose random
+    weights share the folder's files but none of its KV)."""
     files = []
     if folder.is_dir():
         for path in sorted(folder.iterdir()):
@@ -71,6 +79,7 @@ def model_key(
         "quantization": quantization,
         "kv": list(kv_shape),
         "tp": [tp_rank, tp_size],
+        "weights": weights,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -128,10 +137,13 @@ class KVTier:
                 f"--hicache-size holds less than one chunk ({self.chunk_bytes / 2**20:.1f} MiB of KV); raise it"
             )
         self.dir = config.directory / config.model_key
-        self.dir.mkdir(parents=True, exist_ok=True)
         # One process per folder: another's scan would delete this one's unfinished writes, and each keeps its own
         # size account. The lock goes with the process (flock), so a killed server never holds it.
-        self._lock_file = open(self.dir / ".lock", "w")  # noqa: SIM115 - held for the tier's lifetime
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.dir / ".lock", "w")  # noqa: SIM115 - held for the tier's lifetime
+        except OSError as exc:
+            raise ValueError(f"--hicache-dir {config.directory} cannot hold the KV tier: {exc}") from None
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -282,6 +282,22 @@ def test_one_process_per_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
         engine.shutdown()
 
 
+def test_dummy_weights_have_a_tier_of_their_own(tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    """--load-format dummy reads the folder's config but none of its weights: its KV must never be served to the
+    model's real weights (they shared a key, and the real model answered from random weights' KV)."""
+    prompt = _prompts(5, 200)[3]
+    _serve_once(tiny_model_dir, tmp_path, prompt, load_format="dummy")
+    out, _ = _serve_once(tiny_model_dir, tmp_path, prompt)
+    _same(out, reference[3])
+    assert out[2] == 0  # nothing cached for these weights
+
+
+def test_an_unusable_folder_is_a_config_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="--hicache-dir .* cannot hold the KV tier"):
+        _engine(tiny_model_dir, tmp_path / "file" / "kv")
+
+
 def test_config_refusals() -> None:
     with pytest.raises(ValueError, match="radix cache"):
         EngineConfig(enable_hierarchical_cache=True, disable_radix_cache=True)

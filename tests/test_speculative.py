@@ -255,3 +255,18 @@ def test_real_model_greedy_identity_batched_alone_and_under_a_schema() -> None:
     assert outputs["ngram"] == outputs[""]
     batched, alone, _ = outputs[""]
     assert batched[:3] == alone
+
+
+def test_speculation_turns_the_overlap_schedule_off() -> None:
+    """Overlapped steps never carry drafts: with CUDA graphs (the overlap's condition) an n-gram drafter, made by
+    the core itself, must switch it off, or it drafts every step for nothing (it checked the argument, None)."""
+    from types import SimpleNamespace
+
+    from radixserve.runtime.config import EngineConfig
+    from radixserve.runtime.engine_core import EngineCore
+
+    runner = SimpleNamespace(pool=SimpleNamespace(num_slots=1024), graphs=object())  # as on CUDA, graphs captured
+    for algorithm, overlap in (("", True), ("ngram", False)):
+        config = EngineConfig(speculative_algorithm=algorithm)
+        core = EngineCore(config, runner, tokenizer=None, eos_token_ids={2}, vocab_size=100, max_context_len=2048)
+        assert core.overlap is overlap, algorithm
