@@ -422,10 +422,14 @@ class Sampler:
         target's distribution for the token after draft ``i - 1`` (row 0: after the request's last token).
 
         Greedy: a draft is kept while it equals the row's argmax; the next token is the argmax after the last
-        kept one. Sampled (the request's temperature, top_k, top_p, min_p): draft ``d`` at row ``i`` is kept with
-        probability ``p_i(d)`` (one uniform from the request's generator); a rejection draws from ``p_i`` with
-        ``d`` removed (one more), which is rejection sampling for a proposal that puts all its mass on ``d``: the
-        tokens come out distributed exactly as the target's. Speculating requests have no penalties or logprobs
+        kept one. Sampled (the request's temperature, top_k, top_p, min_p): row ``i`` draws its token from ``p_i``
+        with the uniform plain decoding would use for that output position (the request's next draw), and the
+        draft is kept while it equals the drawn token; the first token that differs, or the one after every kept
+        draft, is the next token. For a proposal that puts all its mass on ``d`` (drafts are deterministic: an
+        n-gram continuation, the draft model's argmax) this keeps ``d`` with probability ``p_i(d)`` and emits
+        tokens distributed exactly as the target's; and as every emitted token takes exactly one draw, a seeded
+        request's tokens do not depend on whether, or how far, a step drafted (which depends on the batch: the
+        draft model's shared catch-up budget, free slots). Speculating requests have no penalties or logprobs
         (``runtime.speculative.can_speculate``); a constrained request's rows come masked by its grammar
         (``runtime.grammar.draft_mask``), so its target is the constrained distribution.
         """
@@ -440,14 +444,9 @@ class Sampler:
                 kept += 1
             return list(draft[:kept]), best[kept]
         xs = _filter(x.to(torch.float32, copy=True), [params] * x.shape[0])
-        probs = torch.softmax(xs, dim=-1)
-        for i, d in enumerate(draft):
-            if self._uniform(req) < float(probs[i, d]):
-                continue
-            rest = xs[i : i + 1].clone()
-            rest[0, d] = _NEG_INF  # the target without the rejected draft (its mass, p_i(d) < 1, is what remains)
-            token = int(_draw(rest, torch.tensor([self._uniform(req)], dtype=torch.float64, device=x.device))[0])
-            return list(draft[:i]), token
-        last = xs[len(draft) : len(draft) + 1]
-        token = int(_draw(last, torch.tensor([self._uniform(req)], dtype=torch.float64, device=x.device))[0])
-        return list(draft), token
+        for i in range(len(draft) + 1):
+            u = torch.tensor([self._uniform(req)], dtype=torch.float64, device=x.device)
+            token = int(_draw(xs[i : i + 1], u)[0])
+            if i == len(draft) or token != draft[i]:
+                return list(draft[:i]), token
+        raise AssertionError("unreachable")
