@@ -79,6 +79,9 @@ def iter_gguf_weights(
     """Yield the file's tensors as ``(hf_name, tensor)``; with ``keep_quantized=False`` every weight comes out as
     float32 (the exact dequantization, for parity checks and for layers that cannot use the block kernels)."""
     reader = GGUFFile(path)
+    # llama.cpp interleaves q/k rows for its rotary pairs in the "llama" architecture (Mistral's files are "llama"
+    # too) only; a "qwen2" file keeps HF's rows, as transformers reads it (its LlamaTensorProcessor).
+    permuted = reader.metadata.get("general.architecture", "llama") == "llama"
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     requantized = 0
@@ -110,7 +113,7 @@ def iter_gguf_weights(
                     value, requantized = quantize_q8_0(dense), requantized + 1
                 else:
                     value = dense
-            if t.name.startswith("blk.") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if permuted and t.name.startswith("blk.") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = n_head if "attn_q" in t.name else n_kv
                 value = value.rows(_order(shape[0], heads)) if isinstance(value, QuantTensor) else _unpermute(
                     value, heads

@@ -152,3 +152,22 @@ def test_the_ggml_type_table_is_gguf_pys() -> None:
     for type_id, (name, block, size) in GGML_TYPES.items():
         kind = gguf.GGMLQuantizationType(type_id)
         assert (kind.name, (block, size)) == (name, gguf.constants.GGML_QUANT_SIZES[kind])
+
+
+def test_a_qwen2_gguf_keeps_its_query_and_key_rows(tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """llama.cpp interleaves q/k rows for the "llama" architecture only: a "qwen2" file (HF's rows, with q/k/v
+    biases) served with its rows reordered anyway gave other logits and tokens than the checkpoint."""
+    path = write_tiny_gguf(tiny_qwen_dir, tmp_path / "tiny-qwen2.gguf", name="tiny-qwen2")
+    prompts = [[5 + (7 * i + j) % 150 for j in range(9 + 3 * i)] for i in range(4)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    try:
+        for model in (tiny_qwen_dir, path):
+            engine = Engine(model=str(model), device="cpu", dtype="float32", quantization="none", max_total_tokens=2048)
+            try:
+                outs.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)])
+            finally:
+                engine.shutdown()
+    finally:
+        shutil.rmtree(resolve_model(str(path)), ignore_errors=True)
+    assert outs[0] == outs[1]

@@ -234,6 +234,9 @@ _GGUF_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # (qwen2)
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
 
 
@@ -244,14 +247,16 @@ def _gguf_tensor_name(hf_name: str) -> str:
         return fixed[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<rest>
     if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _GGUF_NAMES:
-        raise ValueError(f"no GGUF name for tensor {hf_name!r} (only bias-free llama is supported)")
+        raise ValueError(f"no GGUF name for tensor {hf_name!r} (only llama and qwen2 are supported)")
     return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:])]}"
 
 
 def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", qtype: str = "F32") -> Path:
-    """Write the llama model in HF ``folder`` (from ``make_tiny_model``) as a GGUF at ``gguf_path``.
+    """Write the llama or qwen2 model in HF ``folder`` (from ``make_tiny_model``) as a GGUF at ``gguf_path``, as
+    llama.cpp's converter writes it.
 
-    Carries the architecture hyper-parameters, every tensor (q/k rows reordered to llama.cpp's layout) and
+    Carries the architecture hyper-parameters, every tensor (llama's q/k rows reordered to llama.cpp's rotary
+    layout; qwen2 keeps HF's, with its q/k/v biases) and
     the tokenizer (byte-level "gpt2" vocab, merges, special ids, chat template). With ``qtype`` (``Q8_0``,
     ``Q4_0``, ``Q4_1``, ...) the 2-D weights are quantized by gguf-py; norms stay F32. Returns ``gguf_path``.
     """
@@ -259,8 +264,9 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", 
 
     folder, gguf_path = Path(folder), Path(gguf_path)
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if cfg.get("model_type") != "llama" or cfg.get("attention_bias"):
-        raise ValueError("write_tiny_gguf supports only bias-free llama (make_tiny_model(arch='llama'))")
+    arch = cfg.get("model_type")
+    if arch not in ("llama", "qwen2") or (arch == "llama" and cfg.get("attention_bias")):
+        raise ValueError("write_tiny_gguf supports bias-free llama and qwen2 (make_tiny_model(arch=...))")
     tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
 
@@ -275,7 +281,7 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", 
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
 
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(gguf_path), "llama")
+    writer = gguf.GGUFWriter(str(gguf_path), arch)
     writer.add_name(name)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -307,9 +313,9 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", 
         with safe_open(str(file), framework="np") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 arr = f.get_tensor(hf_name).astype(np.float32)
-                if hf_name.endswith("q_proj.weight"):
+                if arch == "llama" and hf_name.endswith("q_proj.weight"):
                     arr = _llama_cpp_qk_layout(arr, n_head)
-                elif hf_name.endswith("k_proj.weight"):
+                elif arch == "llama" and hf_name.endswith("k_proj.weight"):
                     arr = _llama_cpp_qk_layout(arr, n_kv)
                 arr = np.ascontiguousarray(arr)
                 if qtype != "F32" and arr.ndim == 2:
