@@ -179,7 +179,11 @@ def hub_snapshot(repo_id: str, revision: str, patterns: list[str]) -> Path:
 
     offline = constants.HF_HUB_OFFLINE
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
+        # (Mistral's consolidated.safetensors repeats the shards' weights in its own names: never read, not fetched)
+        ignore = ["consolidated*.safetensors"]
+        return Path(
+            snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns, ignore_patterns=ignore)
+        )
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         raise ValueError(

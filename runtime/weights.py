@@ -28,11 +28,20 @@ if TYPE_CHECKING:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The folder's ``*.safetensors`` files in a stable (sorted) order; ValueError when there are none."""
+    """The folder's weight files in a stable (sorted) order: those ``model.safetensors.index.json`` lists where
+    there is one (Mistral's repositories hold a ``consolidated.safetensors`` of the same weights in their own
+    names beside the HF shards), else every ``*.safetensors``; ValueError when there are none."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"model folder {folder} does not exist or is not a directory")
     files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        listed = set(read_json_object(index).get("weight_map", {}).values())
+        missing = sorted(name for name in listed if not (folder / name).is_file())
+        if missing:
+            raise ValueError(f"{index} lists {missing[0]}, which is not in the folder (an incomplete download?)")
+        files = [f for f in files if f.name in listed]
     if not files:
         raise ValueError(
             f"model folder {folder} has no *.safetensors file; convert the checkpoint to safetensors "

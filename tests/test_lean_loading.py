@@ -291,3 +291,30 @@ def test_tp2_gives_one_process_greedy_tokens(tmp_path: Path, arch: str, options:
         finally:
             engine.shutdown()
     assert outputs[0] == outputs[1] and all(outputs[0])
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_lists(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Mistral's repositories hold a ``consolidated.safetensors`` (the same weights in Mistral's own names) beside
+    the HF shards and their index: only the index's files are weights (the other one failed the load)."""
+    import shutil
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, str(folder / file))
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"layers.0.attention.wk.weight": torch.zeros(4, 4)}, str(folder / "consolidated.safetensors"))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = []
+    for model in (tiny_model_dir, folder):
+        engine = Engine(model=str(model), device="cpu", dtype="float32", max_total_tokens=1024)
+        try:
+            outs.append(engine.generate(input_ids=[5, 6, 7, 8], sampling_params=params)["output_ids"])
+        finally:
+            engine.shutdown()
+    assert outs[0] == outs[1]
