@@ -71,11 +71,15 @@ class ServerConfig:
             object.__setattr__(self, "served_model_name", (self.served_model_name,) if self.served_model_name else ())
         if any(not n.strip() for n in self.served_model_name):
             raise ValueError("--served-model-name values must not be empty")
-        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().exists():
-            raise ValueError(
-                f"--generation-config must be auto, vllm, or a path to a generation_config.json (or its folder); "
-                f"{self.generation_config!r} does not exist"
-            )
+        if self.generation_config not in ("auto", "vllm"):
+            if not Path(self.generation_config).expanduser().exists():
+                raise ValueError(
+                    f"--generation-config must be auto, vllm, or a path to a generation_config.json (or its folder); "
+                    f"{self.generation_config!r} does not exist"
+                )
+            from radixserve.server.generation_defaults import sampling_defaults
+
+            sampling_defaults(self.generation_config, None)  # a file that is missing or not JSON: refused now
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.shutdown_grace_period < 0:

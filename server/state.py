@@ -77,20 +77,22 @@ class ServerState:
         threading.Thread(target=self._load, args=(factory,), name="radixserve-load", daemon=True).start()
 
     def _load(self, factory: EngineFactory) -> None:
+        engine = None
         try:
             engine = factory()
+            if self.stopping:  # the server shut down while we loaded
+                engine.shutdown()
+                return
+            self._set_engine(engine)  # (reads the generation config: a mistake there fails the start too)
         except BaseException as exc:  # noqa: BLE001 - reported on /health and by the CLI
             if isinstance(exc, ValueError):  # a configuration mistake: its message says what to change
                 logger.error("loading the model failed: %s", exc)
             else:
                 logger.exception("loading the model failed")
             self.load_error = f"loading the model failed: {type(exc).__name__}: {exc}"
+            if engine is not None and self._engine is None:
+                engine.shutdown()
             self.ready_event.set()
-            return
-        if self.stopping:  # the server shut down while we loaded
-            engine.shutdown()
-            return
-        self._set_engine(engine)
 
     def _set_engine(self, engine: Engine) -> None:
         self.sampling_defaults = sampling_defaults(self.config.generation_config, getattr(engine, "model_folder", None))

@@ -165,6 +165,31 @@ def test_the_models_generation_config_supplies_sampling_defaults(greedy_by_defau
         assert info["sampling_defaults"] == {}
 
 
+def test_a_generation_config_that_fails_to_read_fails_the_start(greedy_by_default: Path, tmp_path: Path) -> None:
+    """Read when the engine is ready: a failure there left the server "loading" for ever (and the engine running)."""
+    path = tmp_path / "generation_config.json"
+    path.write_text("{}")
+    config = ServerConfig(served_model_name="tiny", generation_config=str(path))
+    path.write_text("{not json")  # broken after the start-up check
+    engines: list[Engine] = []
+
+    def factory() -> Engine:
+        engines.append(Engine(model=str(greedy_by_default), device="cpu", max_total_tokens=1024))
+        return engines[-1]
+
+    app = create_app(factory, config, model=str(greedy_by_default))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as http:
+        deadline = time.monotonic() + 30
+        while (health := http.get("/health").json())["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert health["status"] == "dead" and "generation_config.json" in json.dumps(health), health
+    assert engines and not engines[0].alive
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no generation_config.json"):  # checked at start-up, where it can be
+        ServerConfig(generation_config=str(tmp_path / "empty"))
+
+
 @pytest.fixture(scope="module")
 def keyed(tiny_model_dir: Path) -> Iterator[tuple[ServerThread, Engine]]:
     engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048)
