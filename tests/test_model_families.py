@@ -9,6 +9,7 @@ output identical to HF ``generate`` for 32 tokens, which run past the window.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,17 @@ def test_engine_greedy_matches_hf_generate(family_dir: Path) -> None:
         assert all(r["meta_info"]["cached_tokens"] >= 64 for r in results[1:])
     finally:
         engine.shutdown()
+
+
+def test_a_legacy_rope_scaling_added_to_a_new_config_applies(tmp_path: Path) -> None:
+    """A transformers 5 config (``rope_parameters`` with the default type) plus a hand-added ``rope_scaling`` in
+    the legacy spelling (``type``), as model cards tell users to add: transformers applies it, so must we (it was
+    dropped: the default type won the merge)."""
+    folder = make_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"type": "linear", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert assert_logits_match_hf(folder).args.rope_scaling["rope_type"] == "linear"
 
 
 def test_unsupported_architecture_is_refused_with_the_list(tmp_path: Path) -> None:

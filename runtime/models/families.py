@@ -62,8 +62,10 @@ def _ropes(cfg: Any, arch: str) -> tuple[RopeSpec, RopeSpec | None]:
         full = _rope(params["full_attention"], theta)
         local = _rope(params.get("sliding_attention", {}), float(getattr(cfg, "rope_local_base_freq", 10000.0)))
         return full, local
-    scaling = getattr(cfg, "rope_scaling", None)
-    full = _rope({**params, **(scaling or {})}, theta)
+    scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    if "type" in scaling:  # the legacy key: it names the scaling that overrides rope_parameters' (default) type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    full = _rope({**params, **scaling}, theta)
     if arch == "Gemma3ForCausalLM":  # an older Gemma 3 config: rope_local_base_freq for the local layers
         return full, (float(getattr(cfg, "rope_local_base_freq", 10000.0)), None)
     return full, None
