@@ -35,7 +35,7 @@ from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
 from radixserve.runtime.mapped_weights import WeightMover
-from radixserve.runtime.memory import RESERVE_BYTES, activation_bytes, module_bytes, size_pool
+from radixserve.runtime.memory import RESERVE_BYTES, activation_bytes, check_pool_fits, module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.sampler import Sampler
@@ -89,6 +89,7 @@ class Engine(EngineAPI):
 
         if config.max_total_tokens:
             num_slots = config.max_total_tokens
+            check_pool_fits(num_slots, per_token * (config.tp if loaded.device.type == "cpu" else 1), loaded.device)
         else:
             # On CPU every rank's weights and KV shard live in the same RAM; a GPU rank has its own memory.
             sharing = config.tp if loaded.device.type == "cpu" else 1
@@ -109,6 +110,16 @@ class Engine(EngineAPI):
         self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
         context = config.max_context_len or args.max_position_embeddings
         self.max_context_len = min(context, args.max_position_embeddings)
+        if context > args.max_position_embeddings:
+            logger.warning(
+                "--max-context-len %d is more than the model's %d positions (max_position_embeddings): using %d",
+                context, args.max_position_embeddings, self.max_context_len,
+            )  # fmt: skip
+        if num_slots < self.max_context_len:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the context length %d: a request (prompt and output) is "
+                "limited to %d tokens", num_slots, self.max_context_len, num_slots,
+            )  # fmt: skip
         logger.info(
             "KV cache: %d tokens (%.1f MiB, %d KiB per token%s), context length %d, radix cache %s; %s",
             num_slots,

@@ -86,6 +86,17 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
+def check_pool_fits(slots: int, per_token_bytes: int, device: torch.device) -> None:
+    """A ``--max-total-tokens`` pool must fit in the memory available now (else the allocation fails with the
+    allocator's own message, which names neither the flag nor the size)."""
+    need, free = slots * per_token_bytes, available_memory_bytes(device)
+    if need > free:
+        raise ValueError(
+            f"--max-total-tokens {slots} needs {need / GiB:.2f} GiB of KV cache and {free / GiB:.2f} GiB is "
+            f"available: lower it (each token takes {per_token_bytes} B)"
+        )
+
+
 def size_pool(
     fraction: float, device: torch.device, weight_bytes: int, per_token_bytes: int, reserve_bytes: int = RESERVE_BYTES
 ) -> PoolSizing:
@@ -94,7 +105,13 @@ def size_pool(
     fraction = fraction or DEFAULT_FRACTION.get(device.type, 0.5)
     total = total_memory_bytes(device)
     budget = int(total * fraction) - weight_bytes - reserve_bytes
-    slots = max(1, budget // per_token_bytes)
+    if budget < per_token_bytes:
+        raise ValueError(
+            f"--mem-fraction-static {fraction:.2f} of {total / GiB:.2f} GiB leaves no room for the KV cache after "
+            f"{weight_bytes / GiB:.2f} GiB of weights and {reserve_bytes / GiB:.2f} GiB for activations: raise it, "
+            "or give --max-total-tokens"
+        )
+    slots = budget // per_token_bytes
     ceiling = int(available_memory_bytes(device) * MAX_SHARE_OF_AVAILABLE) // per_token_bytes
     capped = slots > ceiling
     if capped:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -259,3 +260,19 @@ def test_grammar_hitting_a_backend_limit_fails_alone_as_the_clients_fault(engine
     assert set(results[0]["text"]) <= {"b", "c"}
     assert all(r["meta_info"]["finish_reason"] == "length" for r in results[1:])
     assert_all_free(engine)
+
+
+def test_pool_sizes_that_cannot_work_are_refused_naming_the_flag(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A budget the weights and activations already use up was a 1-token pool (every request a 400), a pool past
+    the free memory the allocator's raw error, a context past the model's positions silently cut."""
+    with pytest.raises(ValueError, match="--mem-fraction-static 0.00 .* leaves no room"):  # (< the 1 GiB reserve)
+        make_engine(tiny_model_dir, max_total_tokens=0, mem_fraction_static=1e-4)
+    with pytest.raises(ValueError, match="--max-total-tokens 1000000000000 needs"):
+        make_engine(tiny_model_dir, max_total_tokens=10**12)
+    with caplog.at_level(logging.WARNING, logger="radixserve.engine"):
+        eng = make_engine(tiny_model_dir, max_total_tokens=512, max_context_len=10**6)
+    eng.shutdown()
+    assert "more than the model's 2048 positions" in caplog.text
+    assert "fewer than the context length 2048" in caplog.text
