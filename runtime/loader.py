@@ -17,6 +17,7 @@ from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
 from radixserve.runtime.gguf_weights import iter_gguf_weights
+from radixserve.runtime.json_file import read_json_object
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.models.families import renamer
 from radixserve.runtime.models.linear import LoadPacker, onednn_usable, plain_bf16_weights, prepack
@@ -87,9 +88,7 @@ def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> set[int]:
             ids.update(int(x) for x in source)
     gen_path = folder / "generation_config.json"
     if gen_path.exists():
-        import json
-
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos = read_json_object(gen_path).get("eos_token_id")  # (a ValueError naming the file if it is broken)
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, list):

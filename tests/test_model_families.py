@@ -115,3 +115,8 @@ def test_unsupported_architecture_is_refused_with_the_list(tmp_path: Path) -> No
     config.write_text(config.read_text().replace("LlamaForCausalLM", "FalconForCausalLM"))
     with pytest.raises(ValueError, match="FalconForCausalLM.*supported: .*Gemma2ForCausalLM.*Qwen3ForCausalLM"):
         ModelArgs.from_hf_config(load_hf_config(folder))
+    fields = json.loads(config.read_text().replace("FalconForCausalLM", "LlamaForCausalLM"))
+    del fields["num_attention_heads"]  # (an AttributeError's traceback, before)
+    config.write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="config.json lacks num_attention_heads"):
+        ModelArgs.from_hf_config(load_hf_config(folder))

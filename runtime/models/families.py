@@ -88,6 +88,10 @@ def _windows(cfg: Any, arch: str, layers: int) -> tuple[int | None, ...]:
     return (None,) * layers
 
 
+# What every family's config gives (the rest have defaults, or are read by some families only).
+_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def model_args(cfg: Any) -> ModelArgs:
     archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     arch = archs[0]
@@ -95,6 +99,9 @@ def model_args(cfg: Any) -> ModelArgs:
         raise ValueError(
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    missing = [name for name in _REQUIRED_FIELDS if not isinstance(getattr(cfg, name, None), int)]
+    if missing:
+        raise ValueError(f"the model's config.json lacks {', '.join(missing)} (integers): the model cannot be built")
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     partial = float((getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) or 1.0)
