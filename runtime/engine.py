@@ -121,10 +121,10 @@ class Engine(EngineAPI):
                 "limited to %d tokens", num_slots, self.max_context_len, num_slots,
             )  # fmt: skip
         logger.info(
-            "KV cache: %d tokens (%.1f MiB, %d KiB per token%s), context length %d, radix cache %s; %s",
+            "KV cache: %d tokens (%.1f MiB, %.1f KiB per token%s), context length %d, radix cache %s; %s",
             num_slots,
             pool.nbytes / 2**20,
-            per_token // 1024,
+            per_token / 1024,
             f" on each of {config.tp} tensor-parallel ranks" if config.tp > 1 else "",
             self.max_context_len,
             "off" if config.disable_radix_cache else "on",

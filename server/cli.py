@@ -160,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ray-serve":
         return _ray_serve(errors, args)
     if args.model_tag:
+        flags = {"--model", "--model-path"}
+        if any(g.split("=")[0] in flags for g in errors.given) and args.model != args.model_tag:
+            errors.error(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give it once")
         args.model = args.model_tag
     try:
         engine_config = from_args(EngineConfig, args)

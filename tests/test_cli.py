@@ -59,3 +59,9 @@ def test_a_port_in_use_fails_before_the_engine_starts(monkeypatch: pytest.Monkey
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert main(["serve", "--model", "m", "--port", str(taken.getsockname()[1])]) == 1
+
+
+def test_the_model_given_twice_differently_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`radixserve serve A --model B` served A silently."""
+    assert "the model is given twice" in _error(["serve", "a-model", "--model", "another"], capsys)
+    assert "given twice" in _error(["serve", "a-model", "--model-path=another"], capsys)
