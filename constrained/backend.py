@@ -68,7 +68,10 @@ PROBE_STEPS = 4
 MAX_JUMP_BYTES = 64 << 10
 # ``screen`` compiles on this fraction of the lexer budget (see there).
 SCREEN_BUDGET_DIVISOR = 10
-NO_OUTPUT = "it admits no output (e.g. a rule or a $ref that refers only to itself, with no way to end)"
+NO_OUTPUT = (
+    "it admits no output (e.g. a rule or a $ref that refers only to itself, with no way to end, or a number's "
+    "bounds with a fractional multipleOf, which the grammar engine cannot always express)"
+)
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
