@@ -32,6 +32,19 @@ def answer_spec(spec: ConstraintSpec) -> ConstraintSpec:
     return spec
 
 
+def _not_starting_with(tag: str) -> str:
+    """A regex (llguidance's dialect, inside ``/.../``) of the texts that, after any leading whitespace, do not
+    begin with ``tag``: nothing more, a proper prefix of it, or its first ``i`` characters and then another."""
+    def lit(text: str) -> str:
+        return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)
+
+    alts = [""] + [lit(tag[:i]) for i in range(1, len(tag))]
+    for i, ch in enumerate(tag):
+        other = ("\\" + ch if ch in r"\]^-/[" else ch) + ("\\s" if i == 0 else "")
+        alts.append(f"{lit(tag[:i])}[^{other}](?s:.*)")
+    return "\\s*(?:" + "|".join(alts) + ")"
+
+
 def reasoning_grammar(value: dict[str, Any], answer: str | None) -> str:
     """The llguidance grammar (TopLevelGrammar JSON text) of a ``reasoning`` value whose inner constraint compiled
     to ``answer`` (llguidance grammar JSON), or None for a free-text answer."""
@@ -48,5 +61,10 @@ def reasoning_grammar(value: dict[str, Any], answer: str | None) -> str:
         sub = json.loads(answer)["grammars"]
         sub[0] = {**sub[0], "name": "answer"}
     start = f"start: {section} {body}" if value["opened"] else f"start: ({section})? {body}"
+    if answer is None and not value["opened"] and value["max_tokens"] is not None:
+        # A free answer would also match a section the model opens itself, and outlive the cap: the answer
+        # without a section is text that does not start with the open tag.
+        start = f"start: {section} {body} | PLAIN"
+        rest.append(f"PLAIN: /{_not_starting_with(value['open'])}/")
     lark = "\n".join([start, f"think[{', '.join(options)}]: /(?s:.*)/", *rest, ""])
     return json.dumps({"grammars": [{"lark_grammar": lark}, *sub]})

@@ -32,10 +32,15 @@ class ReasoningFormat:
     open: str = "<think>"
     close: str = "</think>"
 
-    def opened_in(self, prompt: str) -> bool:
-        """Whether ``prompt`` leaves a think section open, so the output starts inside it."""
-        start = prompt.rfind(self.open)
-        return start >= 0 and prompt.find(self.close, start) < 0
+    def opened_in(self, prompt: str, prefill: str | None = None) -> bool:
+        """Whether the output starts inside a think section: the prompt ends with the open tag (the template
+        opened it: DeepSeek-R1's, Qwen3's told to think), or the prefill being continued (``prefill``: the last
+        assistant message, under ``continue_final_message``) opened one and did not close it. Nothing else in the
+        prompt decides: a user's question, a system prompt or a document may mention the tag."""
+        if prefill is not None:
+            start = prefill.rfind(self.open)
+            return start >= 0 and prefill.find(self.close, start) < 0
+        return prompt.rstrip().endswith(self.open)
 
 
 REASONING_PARSERS: dict[str, ReasoningFormat] = {

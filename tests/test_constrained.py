@@ -368,3 +368,4 @@ def test_bounded_whitespace_option(info) -> None:
     assert ok.can_terminate()
     bad = grammar.new_matcher()
     assert not all(bad.accept_token(t) for t in encode(info, '{   "name"'))
+

@@ -74,6 +74,11 @@ def test_opened_in_prompt() -> None:
     assert FMT.opened_in("<|im_start|>assistant\n<think>\n")
     assert not FMT.opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3 with thinking off
     assert not FMT.opened_in("<|im_start|>assistant\n")
+    # The prompt's other text never decides: a question or system prompt may mention the tag.
+    assert not FMT.opened_in("<|im_start|>user\nWhat does the <think> tag do?<|im_end|>\n<|im_start|>assistant\n")
+    # A prefill being continued decides by its own text.
+    assert FMT.opened_in("...<think>\nFirst,", prefill="<think>\nFirst,")
+    assert not FMT.opened_in("...</think>\nThe", prefill="<think>a</think>\nThe")
 
 
 def test_reasoning_spec_keys_and_validation() -> None:
@@ -192,3 +197,25 @@ def test_thinking_cap_needs_a_reasoning_parser(engine: Engine) -> None:
         # Without the parser the think section is just content.
         resp = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0)
         assert "reasoning_content" not in (resp.choices[0].message.model_extra or {})
+
+
+def test_a_think_cap_holds_when_the_model_opens_the_section_itself(engine: Engine) -> None:
+    """Not opened by the prompt, no answer constraint: the free answer also matched a section the model opened
+    itself, so the cap never forced the close tag. An answer without a section is any other text. (The tags are
+    single tokens, as in the reasoning models' vocabularies.)"""
+    from radixserve.constrained.backend import LLGuidanceBackend
+    from radixserve.constrained.tokenizer import TokenizerInfo
+
+    info = TokenizerInfo.from_hf(engine.tokenizer)
+    backend = LLGuidanceBackend(info)
+
+    def accepts(cap: int | None, text: str) -> bool:
+        value = {"inner": None, "open": "<think>", "close": "</think>", "opened": False, "max_tokens": cap}
+        matcher = backend.compile(ConstraintSpec("reasoning", value)).new_matcher()
+        return all(matcher.accept_token(t) for t in info.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
+
+    long = "<think> one two three four five six seven</think>Done."
+    assert accepts(None, long) and not accepts(3, long)
+    assert accepts(3, "<think> a</think>Done.")
+    for answer in ("Done.", "  plain answer <think> in the middle", "<thinking about it>", "<", ""):
+        assert accepts(3, answer), answer
