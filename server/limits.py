@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.server.errors import error_body
+from radixserve.server.errors import ANTHROPIC_PATHS, anthropic_error_body, error_body
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHUNK = 1 << 20  # bytes measured per vectorized pass: bounded memory whatever the body's size
@@ -84,23 +84,23 @@ class RequestLimits:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await _refuse(send, 413, self._too_large(declared), "body_too_large", close=True)
+            await _refuse(scope, send, 413, self._too_large(declared), "body_too_large", close=True)
             return
         try:
             body = await asyncio.wait_for(self._read(receive), self.read_timeout)
         except _Disconnected:
             return
         except _TooLarge:
-            await _refuse(send, 413, self._too_large(None), "body_too_large", close=True)
+            await _refuse(scope, send, 413, self._too_large(None), "body_too_large", close=True)
             return
         except asyncio.TimeoutError:
             message = f"the request body was not received within {self.read_timeout:g} s; send it in full at once"
-            await _refuse(send, 408, message, "request_timeout", close=True)
+            await _refuse(scope, send, 408, message, "request_timeout", close=True)
             return
         # A large body is measured off the event loop, so it does not stall other clients' streams.
         problem = await asyncio.to_thread(self._check, body) if len(body) > _CHUNK else self._check(body)
         if problem is not None:
-            await _refuse(send, 400, problem, "invalid_body")
+            await _refuse(scope, send, 400, problem, "invalid_body")
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -139,7 +139,7 @@ class RequestLimits:
         return None
 
     def _too_large(self, declared: int | None) -> str:
-        size = f"{declared} bytes" if declared is not None else "more than that"
+        size = f"{declared} bytes" if declared is not None else f"more than {self.max_body_bytes} bytes"
         return f"the request body is too large ({size}); the limit is {self.max_body_bytes} bytes (--max-body-bytes)"
 
 
@@ -178,8 +178,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _refuse(send: Send, status: int, message: str, code: str, close: bool = False) -> None:
-    payload: dict[str, Any] = error_body(status, message, None, code)
+async def _refuse(scope: Scope, send: Send, status: int, message: str, code: str, close: bool = False) -> None:
+    """The error in the shape of the API the path belongs to (Anthropic's on ``/v1/messages``, else OpenAI's)."""
+    if str(scope.get("path", "")).startswith(ANTHROPIC_PATHS):
+        payload: dict[str, Any] = anthropic_error_body(status, message)
+    else:
+        payload = error_body(status, message, None, code)
     data = json.dumps(payload).encode("utf-8")
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode("ascii"))]
     if close:  # the rest of the body may still be on its way: this connection cannot carry another request

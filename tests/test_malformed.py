@@ -197,6 +197,13 @@ def test_chunked_body_too_large(http: httpx.Client) -> None:
 
     resp = http.post(CHAT, content=chunks(), headers={"Content-Type": "application/json"})
     _assert_openai_error(resp, 413, None)
+    assert f"more than {MAX_BODY} bytes" in resp.json()["error"]["message"]
+    # On the Messages API the limits answer in Anthropic's shape, as its other errors do.
+    resp = http.post("/v1/messages", content=b"x" * (MAX_BODY + 1), headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["type"] == "error", resp.text
+    assert resp.json()["error"]["type"] == "request_too_large"
+    deep = http.post("/v1/messages", content=b"[" * 100 + b"]" * 100, headers={"Content-Type": "application/json"})
+    assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error", deep.text
     _still_serves(http)
 
 
