@@ -18,12 +18,12 @@ from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server.constraints import compile_constraints, native_constraint
 from radixserve.server.deps import StateDep, require_api_key, require_metrics_key
 from radixserve.server.engine_client import RequestGroup, Result
-from radixserve.server.errors import APIError, bad_request, from_engine_error, request_failed
+from radixserve.server.errors import APIError, bad_request, from_engine_error, invalid_request, request_failed
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import native_logprobs, prompt_entries
 from radixserve.server.metrics import CONTENT_TYPE
 from radixserve.server.params import native_params
-from radixserve.server.protocol import AbortRequest, ChatCompletionRequest, ChatMessage, GenerateRequest
+from radixserve.server.protocol import AbortRequest, ChatCompletionRequest, ChatMessage, GenerateRequest, Tool
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, sse
 from radixserve.server.tokens import encode
@@ -159,12 +159,17 @@ async def _stream(
 
 
 class TokenizeRequest(BaseModel):
-    """Text (one string or a batch) or chat messages; give exactly one."""
+    """Text (one string or a batch) or chat messages; give exactly one. With messages, the chat fields that change
+    the rendering (tools, tool_choice, chat_template_kwargs, continue_final_message) are read as chat reads them."""
 
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 @router.post("/tokenize", summary="Token ids of text, or of chat messages rendered through the chat template")
@@ -178,7 +183,11 @@ async def tokenize(body: TokenizeRequest, state: StateDep) -> dict[str, Any]:
     tokenizer, special = engine.tokenizer, body.add_special_tokens
     out: dict[str, Any] = {"max_model_len": engine.max_context_len}
     if body.messages is not None:  # rendered as a chat request renders them (earlier tool calls included)
-        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+        fields = body.model_dump(exclude={"prompt", "add_special_tokens"}, exclude_none=True)
+        try:
+            chat = ChatCompletionRequest.model_validate(fields)
+        except ValueError as exc:
+            raise invalid_request(exc) from None
         text, _ = state.render_chat(chat)
         out["prompt"], out["tokens"] = text, encode(tokenizer, text, add_special_tokens=special)
         out["count"] = len(out["tokens"])

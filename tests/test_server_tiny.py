@@ -259,6 +259,8 @@ def test_tools_auto_and_tool_messages(client: openai.OpenAI, http: httpx.Client)
     # A template that cannot render calls (this one): each result names the call it answers.
     prompt = http.post("/tokenize", json={"messages": messages}).json()["prompt"]
     assert 'get_weather({"city": "Paris"}) returned:\nsunny' in prompt
+    with_tools = http.post("/tokenize", json={"messages": messages, "tools": tools}).json()["prompt"]
+    assert "You may call" in with_tools and "You may call" not in prompt  # the tools render as chat renders them
     for choice in ("auto", "none"):
         resp = client.chat.completions.create(
             model=MODEL, messages=messages, tools=tools, tool_choice=choice, max_tokens=6, temperature=0
