@@ -82,6 +82,11 @@ class RequestLimits:
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             await self.app(scope, receive, send)
             return
+        encoding = _header(scope, b"content-encoding").strip().lower()
+        if encoding not in ("", "identity"):  # (read as UTF-8 JSON it failed with a message about the bytes)
+            message = f"Content-Encoding {encoding!r} is not supported: send the body uncompressed"
+            await _refuse(scope, send, 415, message, "unsupported_encoding", close=True)
+            return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
             await _refuse(scope, send, 413, self._too_large(declared), "body_too_large", close=True)
@@ -153,6 +158,10 @@ def _lone_surrogate(body: bytes) -> bool:
     except (ValueError, RecursionError):
         return False
     return False
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    return next((value.decode("latin-1") for key, value in scope["headers"] if key == name), "")
 
 
 def _content_length(scope: Scope) -> int | None:

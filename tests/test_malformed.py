@@ -8,6 +8,7 @@ answer a normal request; at the end no KV is held and the radix tree is intact.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import time
@@ -204,6 +205,9 @@ def test_chunked_body_too_large(http: httpx.Client) -> None:
     assert resp.json()["error"]["type"] == "request_too_large"
     deep = http.post("/v1/messages", content=b"[" * 100 + b"]" * 100, headers={"Content-Type": "application/json"})
     assert deep.status_code == 400 and deep.json()["error"]["type"] == "invalid_request_error", deep.text
+    gzipped = http.post(CHAT, content=gzip.compress(b"{}"), headers={"Content-Encoding": "gzip"})
+    _assert_openai_error(gzipped, 415, None)
+    assert "Content-Encoding 'gzip'" in gzipped.json()["error"]["message"]
     _still_serves(http)
 
 
