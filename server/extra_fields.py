@@ -46,6 +46,15 @@ CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "audio": ((), "audio output is not served"),
     "modalities": ((["text"],), "only text output is served"),
 }
+# The constraint fields chat and completions take: on the other APIs (Responses, Messages) they are not read,
+# and an unconstrained answer under a 200 would pass for a constrained one.
+_OTHER_API = (
+    "this field is read by /v1/chat/completions and /v1/completions; here send a JSON schema as text.format "
+    "(Responses) or output_config.format (Messages)"
+)
+for _name in ("regex", "json_schema", "ebnf", "grammar", "choices", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", "structured_outputs"):  # fmt: skip
+    CHANGES_OUTPUT[_name] = ((None,), _OTHER_API)
 # Sent by common clients, with no effect on what is generated here.
 HARMLESS = frozenset(
     {

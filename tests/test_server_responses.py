@@ -238,6 +238,7 @@ def test_bad_input_is_a_400_in_openai_shape(server: ServerThread, client: openai
         (dict(input=QUESTION, tool_choice="bogus"), "tool_choice"),
         (dict(input=QUESTION, tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
         (dict(input=QUESTION, top_logprobs=21), "top_logprobs"),
+        (dict(input=QUESTION, extra_body={"regex": "[0-9]+"}), "regex"),  # not read here: never a silent 200
     ]
     for kwargs, param in bad:
         with pytest.raises(openai.BadRequestError) as err:
