@@ -24,6 +24,23 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return torch.einsum("hl,lhd->hd", probs, v)
 
 
+def _decode(
+    backend: TorchReferenceBackend, q: torch.Tensor, pool: KVPool, tables: list[list[int]], shared: int
+) -> torch.Tensor:
+    """One decode row per table over layer 0 of ``pool``; with ``shared`` > 0 the tables' first ``shared`` slots
+    (the same in each) are one prefix group, attended once (cascade)."""
+    rows = [t[shared:] for t in tables]
+    width = max(len(t) for t in rows)
+    slots = torch.tensor([t + [t[0]] * (width - len(t)) for t in rows])
+    lens = torch.tensor([len(t) for t in rows])
+    mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
+    n = len(tables)
+    groups = (PrefixGroup(torch.arange(n), torch.tensor(tables[0][:shared])),) if shared else ()
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), n, slots, mask, (), groups)
+    empty = torch.zeros(0, pool.k[0].shape[1], pool.k[0].shape[2], dtype=q.dtype)
+    return backend.forward(0, q, empty, empty, meta, pool)
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "cascade"])
 @torch.inference_mode()
 def test_fp16_decode_with_large_activations_stays_finite(grouped: bool) -> None:
@@ -39,16 +56,7 @@ def test_fp16_decode_with_large_activations_stays_finite(grouped: bool) -> None:
     assert float((q[0, 0].float() * pool.k[0][0, 0].float()).sum()) > 65504, "the unscaled score must overflow"
     prefix = list(range(0, 120))
     tables = [prefix + list(range(120 + 10 * i, 125 + 10 * i)) for i in range(3)]
-
-    rows = [t[len(prefix) :] for t in tables] if grouped else tables
-    width = max(len(t) for t in rows)
-    slots = torch.tensor([t + [t[0]] * (width - len(t)) for t in rows])
-    lens = torch.tensor([len(t) for t in rows])
-    mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
-    groups = (PrefixGroup(torch.arange(3), torch.tensor(prefix)),) if grouped else ()
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 3, slots, mask, (), groups)
-    empty = torch.zeros(0, n_kv, d, dtype=dtype)
-    out = TorchReferenceBackend().forward(0, q, empty, empty, meta, pool)
+    out = _decode(TorchReferenceBackend(), q, pool, tables, len(prefix) if grouped else 0)
 
     assert torch.isfinite(out).all(), "float16 decode attention overflowed"
     for i, table in enumerate(tables):
@@ -72,15 +80,7 @@ def test_bf16_decode_scores_are_not_rounded_to_bf16(grouped: bool) -> None:
     q = (2 * torch.randn(3, heads, d)).to(dtype)
     prefix = list(range(0, 200))
     tables = [prefix + list(range(200 + 50 * i, 240 + 50 * i)) for i in range(3)]
-    rows = [t[len(prefix) :] for t in tables] if grouped else tables
-    width = max(len(t) for t in rows)
-    slots = torch.tensor([t + [t[0]] * (width - len(t)) for t in rows])
-    lens = torch.tensor([len(t) for t in rows])
-    mask = (torch.arange(width)[None, :] < lens[:, None])[:, None, None, :]
-    groups = (PrefixGroup(torch.arange(3), torch.tensor(prefix)),) if grouped else ()
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 3, slots, mask, (), groups)
-    empty = torch.zeros(0, n_kv, d, dtype=dtype)
-    out = TorchReferenceBackend(cpu_kernels=False).forward(0, q, empty, empty, meta, pool)
+    out = _decode(TorchReferenceBackend(cpu_kernels=False), q, pool, tables, len(prefix) if grouped else 0)
     for i, table in enumerate(tables):
         idx = torch.tensor(table)
         want = _reference(q[i], pool.k[0][idx], pool.v[0][idx])
