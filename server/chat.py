@@ -35,7 +35,7 @@ TOOLS_SYSTEM_PROMPT = (
 )
 
 
-def _content_text(msg: ChatMessage, i: int) -> str | None:
+def content_text(msg: ChatMessage, i: int) -> str | None:
     if msg.content is None or isinstance(msg.content, str):
         return msg.content
     texts = []
@@ -73,7 +73,7 @@ def normalize_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"unknown role {msg.role!r} in messages[{i}]; expected one of {', '.join(ROLES)}",
                 f"messages[{i}].role",
             )
-        content = _content_text(msg, i)
+        content = content_text(msg, i)
         if content is None and msg.role != "assistant":
             raise bad_request(f"messages[{i}] (role {msg.role}) needs content", f"messages[{i}].content")
         if msg.role == "tool" and not msg.tool_call_id:

@@ -25,6 +25,7 @@ from fastapi import Request
 
 from radixserve.constrained.reasoning_grammar import answer_spec
 from radixserve.runtime.request import FinishReason, ReqOutput, TokenLogprob
+from radixserve.server.chat import content_text
 from radixserve.server.constraints import (
     RequestConstraint,
     at_most_one,
@@ -167,13 +168,6 @@ def check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None,
     return constraint, tool is not None
 
 
-def _text_of(message: Any) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "\n".join(part.text or "" for part in content)
-
-
 async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_param: str = "messages") -> ChatRun:
     """Validate, render and submit ``body``; every client mistake is an ``APIError`` before anything runs."""
     state.check_model(body.model)
@@ -182,7 +176,8 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
     text, parse_tools = state.render_chat(body)
     thinking = None
     if state.reasoning_format is not None:
-        prefill = _text_of(body.messages[-1]) if body.continue_final_message else None
+        last = len(body.messages) - 1
+        prefill = (content_text(body.messages[last], last) or "") if body.continue_final_message else None
         thinking = Thinking(state.reasoning_format, state.reasoning_format.opened_in(text, prefill))
     union = constraint is not None and answer_spec(constraint.spec).kind == "tool_or_answer"
     if thinking is not None:

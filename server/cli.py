@@ -160,8 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ray-serve":
         return _ray_serve(errors, args)
     if args.model_tag:
-        flags = {"--model", "--model-path"}
-        if any(g.split("=")[0] in flags for g in errors.given) and args.model != args.model_tag:
+        if errors.given("--model", "--model-path") and args.model != args.model_tag:
             errors.error(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give it once")
         args.model = args.model_tag
     try:
@@ -184,13 +183,17 @@ class _EnvHints:
 
     def __init__(self, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
         self.parser = parser
-        self.given = set(sys.argv[1:] if argv is None else argv)
+        self._args = {a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv)}
+
+    def given(self, *flags: str) -> bool:
+        """Whether any of ``flags`` is on the command line (as ``--flag value`` or ``--flag=value``)."""
+        return not self._args.isdisjoint(flags)
 
     def error(self, message: str) -> NoReturn:
         hints = []
         for flag in dict.fromkeys(re.findall(r"--([a-z][a-z0-9-]*)", message)):
             name = envs.PREFIX + flag.upper().replace("-", "_")
-            if os.environ.get(name) and not any(g.split("=")[0] == f"--{flag}" for g in self.given):
+            if os.environ.get(name) and not self.given(f"--{flag}"):
                 hints.append(f"{name}={os.environ[name]!r}")
         self.parser.error(message + (f" (set by {', '.join(hints)})" if hints else ""))
 

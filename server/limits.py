@@ -165,13 +165,11 @@ def _header(scope: Scope, name: bytes) -> str:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP layer refuses such a request before it gets here
-    return None
+    value = _header(scope, b"content-length")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None  # the HTTP layer refuses such a request before it gets here
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
+from radixserve.runtime.sampling_params import MAX_TOP_LOGPROBS
 from radixserve.server.errors import APIError, bad_request, invalid_request
 from radixserve.server.protocol import ChatCompletionRequest, _NullIsDefault
 
@@ -47,7 +48,7 @@ class ResponsesRequest(_NullIsDefault):
     metadata: dict[str, Any] | None = None
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Extensions shared with the chat request.
     seed: int | None = None
     stop: str | list[str] | None = None

@@ -5,6 +5,7 @@ A backend is shared by every state of every program run with it, so all methods 
 
 from __future__ import annotations
 
+import random
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -23,6 +24,12 @@ class GenOutput:
     text: str
     output_ids: list[int] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def overload_backoff_s(attempt: int) -> float:
+    """The wait before sending again a request refused for a full queue (429), attempt 0, 1, ...: growing from 50
+    ms to 2 s, with jitter (x0.5-1.5) so that a ``run_batch``'s threads do not all come back together."""
+    return min(0.05 * 2**attempt, 2.0) * (0.5 + random.random())
 
 
 class Backend(ABC):

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import itertools
 import queue
-import random
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixserve.constrained import GrammarError
-from radixserve.lang.backend.base import Backend, GenOutput
+from radixserve.lang.backend.base import Backend, GenOutput, overload_backoff_s
 from radixserve.lang.errors import BackendError
 from radixserve.runtime.errors import EngineOverloadedError
 from radixserve.runtime.request import FinishReason, ReqOutput
@@ -102,7 +101,7 @@ class EngineBackend(Backend):
                     self.engine.abort(rid)
                 if not isinstance(exc, EngineOverloadedError) or time.monotonic() >= patience:
                     raise _backend_error(from_engine_error(exc, native=True)) from None
-            time.sleep(min(0.05 * 2**attempt, 2.0) * (0.5 + random.random()))
+            time.sleep(overload_backoff_s(attempt))
         raise AssertionError("unreachable")
 
     def queue_bound(self) -> int | None:

@@ -18,17 +18,18 @@ from typing import Any
 
 import requests
 
-from radixserve.lang.backend.base import Backend, GenOutput
+from radixserve.lang.backend.base import Backend, GenOutput, overload_backoff_s
 from radixserve.lang.errors import BackendError
 
 DEFAULT_TIMEOUT_S = 600.0  # also how long a request refused for a full queue (429) is retried
 
 
-def _retry_after(resp: requests.Response, default: float) -> float:
+def _retry_after(resp: requests.Response) -> float:
+    """The response's Retry-After in seconds; 0 when it has none that is a number of seconds."""
     try:
         return max(0.0, float(resp.headers.get("Retry-After", "")))
     except ValueError:
-        return default
+        return 0.0
 
 
 class RuntimeEndpoint(Backend):
@@ -75,10 +76,10 @@ class RuntimeEndpoint(Backend):
             if resp.status_code != 429 or time.monotonic() >= patience:
                 break
             # The queue was full and nothing of the request was kept (a batch is all or nothing): wait as the
-            # server asks, with jitter so that a run_batch's threads do not come back together, and send it again.
+            # server asks (its Retry-After, with the same jitter), or by overload_backoff_s, and send it again.
             with resp:
-                wait = _retry_after(resp, default=min(0.05 * 2**attempt, 2.0))
-            time.sleep(min(wait * (0.5 + random.random()), max(0.0, patience - time.monotonic())))
+                wait = _retry_after(resp) * (0.5 + random.random()) or overload_backoff_s(attempt)
+            time.sleep(min(wait, max(0.0, patience - time.monotonic())))
         if resp.status_code >= 400:
             with resp:
                 raise _http_error(resp)
