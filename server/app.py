@@ -27,6 +27,7 @@ from radixserve.server import (
 )
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import install_error_handlers
+from radixserve.server.http_compat import install_http_compat
 from radixserve.server.lifecycle import drain_on_exit
 from radixserve.server.limits import RequestLimits
 from radixserve.server.request_id import RequestIdMiddleware
@@ -84,6 +85,7 @@ def create_app(
         max_json_depth=config.max_json_depth,
         read_timeout=config.request_read_timeout,
     )
+    install_http_compat(app, config)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response, errors of the limits included
     app.include_router(native_routes.health_router)
     app.include_router(openai_chat.router)

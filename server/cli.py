@@ -153,8 +153,9 @@ async def _stop_on_load_failure(server, state) -> None:  # noqa: ANN001 - uvicor
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_env_errors(parser, args)
-    errors = _EnvHints(parser, argv)
+    command = _subcommand(parser, args.command)  # errors print its usage: "radixserve serve: error: ..."
+    check_env_errors(command, args)
+    errors = _EnvHints(command, argv)
     if args.command == "router":
         return _router(errors, args)
     if args.command == "ray-serve":
@@ -174,6 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_worker_node(engine_config)  # tensor-parallel ranks only; node 0 serves
     return serve(engine_config, server_config)
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[name]
 
 
 class _EnvHints:

@@ -9,6 +9,14 @@ from pathlib import Path
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CORS_HELP = {  # the CORS flags of `radixserve serve` and `radixserve router` (server.http_compat)
+    "allowed_origins": "Origins a browser may call the API from (CORS), e.g. https://app.example.com; '*' allows "
+    "any; --allowed-origins '' turns CORS off.",
+    "allowed_methods": "HTTP methods a cross-origin browser request may use (CORS).",
+    "allowed_headers": "Request headers a cross-origin browser request may send (CORS).",
+    "allow_credentials": "Let cross-origin browser requests send cookies / HTTP auth (CORS); needs the origins "
+    "named, not '*'.",
+}
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, secret: bool = False) -> Any:
@@ -60,6 +68,10 @@ class ServerConfig:
     request_read_timeout: float = _opt(
         30.0, "Seconds a client may take to send a request's headers and body; slower ones get 408."
     )
+    allowed_origins: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_origins"])
+    allowed_methods: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_methods"])
+    allowed_headers: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_headers"])
+    allow_credentials: bool = _opt(False, CORS_HELP["allow_credentials"])
     engine_process: bool = _opt(
         True,
         "Run the engine in a process of its own, so the HTTP front end never holds up its steps; "
@@ -69,6 +81,15 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name given as a string (the Python API)
             object.__setattr__(self, "served_model_name", (self.served_model_name,) if self.served_model_name else ())
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):  # '' (no value) turns CORS off
+            value = getattr(self, name)
+            items = (value,) if isinstance(value, str) else value
+            object.__setattr__(self, name, tuple(v.strip() for v in items if v.strip()))
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError(
+                "--allow-credentials needs the origins named in --allowed-origins: browsers refuse credentials "
+                "for '*'"
+            )
         if any(not n.strip() for n in self.served_model_name):
             raise ValueError("--served-model-name values must not be empty")
         if self.generation_config not in ("auto", "vllm"):
@@ -105,9 +126,16 @@ class ServerConfig:
 
     def redacted(self) -> dict[str, Any]:
         """The config as a dict fit for logs and /server_info: the API key is never shown."""
-        d = dataclasses.asdict(self)
-        d["api_key"] = "<set>" if self.api_key else ""
-        return d
+        return redacted(self)
+
+
+def redacted(config: Any) -> dict[str, Any]:
+    """A config dataclass as a dict fit for logs: each secret field (an API key) reads only "<set>" or ""."""
+    d = dataclasses.asdict(config)
+    for f in dataclasses.fields(config):
+        if f.metadata.get("secret"):
+            d[f.name] = "<set>" if d[f.name] else ""
+    return d
 
 
 def load_chat_template(spec: str) -> str:

@@ -191,9 +191,9 @@ def _input_item(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ items
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [{"type": "reasoning_text", "text": text}]
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": "completed"}
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -379,7 +379,7 @@ def _text_events(em: _Emitter, event: TextDelta) -> list[str]:
     out: list[str] = []
     if event.kind == "reasoning":
         if "reasoning" not in em.open:
-            out += em.add("reasoning", _reasoning_item(_id("rs"), ""))
+            out += em.add("reasoning", _reasoning_item(_id("rs"), "", "in_progress"))
         index = em.open["reasoning"]
         em.items[index]["content"][0]["text"] += event.text
         item_id = em.items[index]["id"]

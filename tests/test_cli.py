@@ -65,3 +65,18 @@ def test_the_model_given_twice_differently_is_an_error(capsys: pytest.CaptureFix
     """`radixserve serve A --model B` served A silently."""
     assert "the model is given twice" in _error(["serve", "a-model", "--model", "another"], capsys)
     assert "given twice" in _error(["serve", "a-model", "--model-path=another"], capsys)
+
+
+def test_errors_name_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _error(["serve", "--model", "m", "--port", "-1"], capsys).startswith("radixserve serve: error: --port")
+    assert _error(["router"], capsys).startswith("radixserve router: error: --worker-urls")
+
+
+def test_cors_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every origin by default (as vLLM and SGLang); named origins; '' turns CORS off; credentials need names."""
+    parse = lambda *flags: from_args(ServerConfig, build_parser().parse_args(["serve", *flags]))  # noqa: E731
+    assert parse().allowed_origins == ("*",)
+    named = parse("--allowed-origins", "https://a.example", "https://b.example", "--allow-credentials")
+    assert named.allowed_origins == ("https://a.example", "https://b.example") and named.allow_credentials
+    assert parse("--allowed-origins", "").allowed_origins == ()
+    assert "--allow-credentials needs the origins named" in _error(["serve", "--allow-credentials"], capsys)

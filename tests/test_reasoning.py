@@ -163,6 +163,11 @@ def test_responses_reasoning_item(client: openai.OpenAI) -> None:
         final = stream.get_final_response()
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    added, done = (
+        next(e.item for e in events if e.type == kind)
+        for kind in ("response.output_item.added", "response.output_item.done")
+    )
+    assert (added.type, added.status, done.type, done.status) == ("reasoning", "in_progress", "reasoning", "completed")
     thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert thinking == final.output[0].content[0].text == resp.output[0].content[0].text
     assert final.output_text == resp.output_text

@@ -72,6 +72,43 @@ def test_every_route_but_health_and_metrics_needs_the_key(engine: Engine) -> Non
         assert http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+def test_browser_clients_and_head_probes(engine: Engine) -> None:
+    """CORS: a preflight is answered without the key; an answer, an error included, is readable by the page that
+    asked (its origin allowed), and not by others when origins are named. HEAD answers on every GET route."""
+    page = {"Origin": "https://app.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    good = {"Authorization": f"Bearer {KEY}"}
+    with (
+        ServerThread(create_app(engine, ServerConfig(api_key=KEY))) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as http,
+    ):
+        resp = http.options("/v1/chat/completions", headers=preflight)
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in resp.headers["access-control-allow-headers"].lower()
+        resp = http.post("/v1/chat/completions", json={"messages": USER}, headers=page)
+        assert_error(resp, 401)
+        assert resp.headers["access-control-allow-origin"] == "*"
+        assert "x-request-id" in resp.headers["access-control-expose-headers"].lower()
+        for path in ("/health", "/v1/models", "/server_info", "/metrics"):
+            head, get = http.head(path, headers=good), http.get(path, headers=good)
+            assert head.status_code == get.status_code == 200 and head.content == b"", path
+        assert http.head("/v1/models").status_code == 401
+    named = ServerConfig(allowed_origins=("https://app.example",), allow_credentials=True)
+    with ServerThread(create_app(engine, named)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        resp = http.options("/v1/models", headers=preflight)
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        assert resp.headers["access-control-allow-credentials"] == "true"
+        other = http.options("/v1/models", headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert (
+            "access-control-allow-origin"
+            not in http.get("/v1/models", headers={"Origin": "https://evil.example"}).headers
+        )
+    with ServerThread(create_app(engine, ServerConfig(allowed_origins=("",)))) as srv:
+        resp = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert resp.status_code == 405 and "access-control-allow-origin" not in resp.headers
+
+
 def test_request_content_is_never_code_or_a_path(engine: Engine) -> None:
     """Template syntax in a message is text; template variables from the request cannot replace the template or
     the conversation; a model name that is a path loads nothing."""

@@ -290,3 +290,19 @@ def test_responses_continue_on_the_replica_that_stored_them() -> None:
     seen = {client.post("/v1/responses", json={"input": "x"}).headers[REPLICA_HEADER] for _ in range(4)}
     assert seen == {"a", "streamb"}
     assert client.post("/v1/messages", json={"max_tokens": 4, "messages": []}).status_code == 200
+
+
+def test_browsers_may_call_the_router_and_monitors_may_probe_with_head() -> None:
+    """CORS preflights are answered without the API key (browsers never send it on one); HEAD works on GET routes."""
+    transport = FakeTransport({"a": ok_json()})
+    with fake_router(transport, api_key="sekret") as client:
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        resp = client.options("/v1/chat/completions", headers=preflight)
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": "https://app.example"})
+        assert resp.status_code == 401 and resp.headers["access-control-allow-origin"] == "*"  # readable by the page
+        for path in ("/health", "/router_info", "/metrics"):
+            headers = {"Authorization": "Bearer sekret"}
+            resp = client.head(path, headers=headers)
+            assert resp.status_code == client.get(path, headers=headers).status_code == 200, path
+            assert resp.content == b""

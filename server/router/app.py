@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.server.config import ServerConfig
 from radixserve.server.deps import require_api_key, require_metrics_key
 from radixserve.server.errors import install_error_handlers
+from radixserve.server.http_compat import install_http_compat
 from radixserve.server.limits import RequestLimits
 from radixserve.server.router.config import RoutingConfig
 from radixserve.server.router.metrics import render, router_registry
@@ -273,6 +274,7 @@ def create_router_app(
         max_json_depth=server_config.max_json_depth,
         read_timeout=server_config.request_read_timeout,
     )
+    install_http_compat(app, server_config)
     api, open_routes = _build_routes()
     app.include_router(open_routes)
     app.include_router(api)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from radixserve.runtime import envs
 from radixserve.runtime.config import add_arguments
-from radixserve.server.config import LOG_LEVELS, ServerConfig
+from radixserve.server.config import CORS_HELP, LOG_LEVELS, ServerConfig
 from radixserve.server.router.policy import POLICIES, Policy, make_policy
 
 
@@ -91,6 +91,10 @@ class RouterConfig:
     connect_timeout: float = _opt(5.0, "Seconds to wait for a TCP connection to a replica before trying another.")
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
     shutdown_grace_period: float = _opt(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
+    allowed_origins: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_origins"])
+    allowed_methods: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_methods"])
+    allowed_headers: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_headers"])
+    allow_credentials: bool = _opt(False, CORS_HELP["allow_credentials"])
 
     def __post_init__(self) -> None:
         urls = tuple(u.strip().rstrip("/") for u in self.worker_urls if u.strip())
@@ -116,6 +120,10 @@ class RouterConfig:
             protect_metrics=self.protect_metrics,
             log_level=self.log_level,
             shutdown_grace_period=self.shutdown_grace_period,
+            allowed_origins=self.allowed_origins,
+            allowed_methods=self.allowed_methods,
+            allowed_headers=self.allowed_headers,
+            allow_credentials=self.allow_credentials,
         )
 
     def own_key(self) -> str:

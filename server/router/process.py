@@ -10,6 +10,7 @@ import signal
 
 from fastapi import FastAPI
 
+from radixserve.server.config import redacted
 from radixserve.server.router.app import create_router_app
 from radixserve.server.router.config import RouterConfig, RoutingConfig
 from radixserve.server.router.replicas import ReplicaPool
@@ -34,7 +35,7 @@ def run_router(config: RouterConfig, routing: RoutingConfig) -> int:
 
     server_config = config.server_config()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and health check
-    logger.info("router config: %s", json.dumps({**server_config.redacted(), "worker_urls": config.worker_urls}))
+    logger.info("router config: %s", json.dumps(redacted(config)))
     logger.info("routing config: %s", json.dumps(dataclasses.asdict(routing)))
     app = build_http_router(config, routing)
     uv_config = uvicorn.Config(
