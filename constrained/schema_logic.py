@@ -76,7 +76,7 @@ class SchemaAlgebra:
         return [self.negate(self._target(s["$ref"]), depth + 1, within)]
 
     def _neg_type(self, s: dict[str, Any], depth: int, within: Schema) -> list[Schema]:
-        return [atoms_to_schema(ATOMS - declared_atoms(s["type"]))]
+        return [atoms_to_schema(ATOMS - declared_atoms(s["type"]), self.types(within))]
 
     def _neg_enum(self, s: dict[str, Any], depth: int, within: Schema) -> list[Schema]:
         values = list(s["enum"])
@@ -85,7 +85,7 @@ class SchemaAlgebra:
             touched |= {"integer", "fraction"}
         if touched & {"array", "object"}:
             raise CannotRewrite("negating an enum that lists arrays or objects")
-        parts = [atoms_to_schema(ATOMS - touched)]
+        parts = [atoms_to_schema(ATOMS - touched, self.types(within))]
         bools = [b for b in (False, True) if not any(v is b for v in values)]
         if "boolean" in touched and bools:
             parts.append({"enum": bools})

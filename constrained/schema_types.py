@@ -67,15 +67,18 @@ def value_atom(v: Any) -> str:
     return "array" if isinstance(v, list) else "object"
 
 
-def atoms_to_schema(atoms: Iterable[str]) -> Schema:
-    """A schema accepting exactly the values of these atoms."""
-    atoms = set(atoms)
+def atoms_to_schema(atoms: Iterable[str], context: frozenset[str] = ATOMS) -> Schema:
+    """A schema accepting exactly the values of these atoms, among values whose atoms are in ``context`` (outside
+    it, anything: so a context of integers lets "numbers but not integers" be written as False)."""
+    atoms = set(atoms) & context
     if not atoms:
         return False
-    if atoms == ATOMS:
+    if atoms | (ATOMS - context) == ATOMS:
         return True
     if "fraction" in atoms and "integer" not in atoms:
-        raise CannotRewrite("the complement contains non-integer numbers but not integers, which has no schema")
+        if "integer" in context:
+            raise CannotRewrite("the complement contains non-integer numbers but not integers, which has no schema")
+        atoms.add("integer")  # no integer is in the context: naming them changes nothing
     names = sorted(a for a in atoms if a not in ("integer", "fraction"))
     if "fraction" in atoms:
         names.append("number")

@@ -139,6 +139,18 @@ def test_one_of_overlapping_is_expanded_exactly() -> None:
     assert_exact(closed)
 
 
+def test_one_of_overlapping_numbers_is_negated_within_its_type() -> None:
+    """Negating an integer branch within integers needs no "non-integer number" schema (which has none)."""
+    numbers = [-1, 0, 4, 5, 10, 11, 20, 21, 2.5, 7.5, 5.0, -0.5]
+    ranges = {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "integer", "minimum": 5}]}
+    assert_exact(ranges, numbers)
+    assert_exact({"type": "integer", "oneOf": [{"minimum": 0, "maximum": 10}, {"minimum": 5, "maximum": 20}]}, numbers)
+    assert_exact({"type": "integer", "oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]}, numbers)
+    assert_exact({"type": "integer", "oneOf": [{"enum": [1, 2, "a"]}, {"maximum": 1}]}, numbers)
+    # Among all numbers, "not an integer" stays inexpressible: refused, not approximated.
+    assert refused({"oneOf": [{"type": "integer"}, {"type": "number", "maximum": 5}]}).keyword == "oneOf"
+
+
 def test_property_names() -> None:
     assert_exact({"propertyNames": {"enum": ["a", "b"]}, "additionalProperties": {"type": "integer"}})
     assert_exact({"propertyNames": {"pattern": "^[ab]$"}, "properties": {"c": {}}}, [{"c": 1}])
