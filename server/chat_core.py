@@ -162,9 +162,10 @@ def check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None,
         # As in OpenAI's API, response_format governs a content answer only, and a forced call never gives one.
         fmt = None
     constraint = at_most_one([*body_constraints(req), fmt, tool])
-    if constraint is not None and constraint is fmt:
-        # "auto" with a format: a call is still possible, so the answer's format joins it.
-        constraint = tool_or_answer_constraint(req, fmt) or fmt
+    if constraint is not None and constraint is not tool and constraint.spec.kind in ("json_schema", "json_object"):
+        # "auto" with a JSON format (response_format, guided_json, ...): a call is still possible, so the answer's
+        # format joins it.
+        constraint = tool_or_answer_constraint(req, constraint) or constraint
     return constraint, tool is not None
 
 

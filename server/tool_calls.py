@@ -7,10 +7,11 @@ non-empty array of such objects instead. Absent (or false) means exactly one cal
 but a forced open-ended array lets a small model repeat calls until max_tokens, and one call is what forcing a
 tool promises; a client that wants several calls in one turn says so.
 
-Tools with ``tool_choice`` "auto" (or absent) and a ``response_format``, the usual agent turn (tools plus a typed
-final output), get a ``tool_or_answer`` constraint instead: the output is either the formatted answer or
-``<tool_call>{call}</tool_call>`` blocks (one, or several with ``parallel_tool_calls: true``) whose calls follow
-the same per-tool schemas; the tool parser reads the calls back as for unconstrained "auto".
+Tools with ``tool_choice`` "auto" (or absent) and a JSON ``response_format`` (or ``guided_json``, ``json_schema``,
+``structured_outputs.json``), the usual agent turn (tools plus a typed final output), get a ``tool_or_answer``
+constraint instead: the output is either the formatted answer or ``<tool_call>{call}</tool_call>`` blocks (one,
+or several with ``parallel_tool_calls: true``) whose calls follow the same per-tool schemas; the tool parser reads
+the calls back as for unconstrained "auto".
 
 ``ToolCallScanner`` reads that JSON as it streams and turns it into OpenAI tool-call deltas: per call, first
 ``{index, id, type, function: {name, arguments: ""}}``, then ``{index, function: {arguments: <fragment>}}``.
@@ -74,16 +75,17 @@ def _calls_schema(
 
 
 def tool_or_answer_constraint(req: ChatCompletionRequest, fmt: RequestConstraint | None) -> RequestConstraint | None:
-    """With tools, ``tool_choice`` "auto" (or absent) and a ``response_format``: the output may be tool calls or
-    the formatted answer (``constrained.tool_grammar``), so an agent with tools and a typed output keeps both.
-    None otherwise (no tools, no format, or a tool_choice that decides it)."""
+    """With tools, ``tool_choice`` "auto" (or absent) and a JSON format (``fmt``: ``response_format``, or vLLM's
+    ``guided_json`` and its kin): the output may be tool calls or the formatted answer (``constrained.tool_grammar``),
+    so an agent with tools and a typed output keeps both. An error in the answer's schema is reported at
+    ``fmt``'s field. None otherwise (no tools, no format, or a tool_choice that decides it)."""
     if fmt is None or not req.tools or req.tool_choice not in (None, "auto"):
         return None
     names = _tool_names(req)
     call, subs = _calls_schema(req, names, list(range(len(names))), "", errors_at="/call")
     answer = fmt.spec.value if fmt.spec.kind == "json_schema" else None
     value = {"call": call, "answer": answer, "parallel": bool(req.parallel_tool_calls)}
-    return make_constraint("tool_or_answer", value, "tools", (*subs, ("/answer", "response_format")))
+    return make_constraint("tool_or_answer", value, "tools", (*subs, ("/answer", fmt.param)))
 
 
 def forced_tool_constraint(req: ChatCompletionRequest) -> RequestConstraint | None:

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from radixserve.constrained import GrammarError
+from radixserve.server.chat_core import check_options
 from radixserve.server.constraints import RequestConstraint, at_most_one, make_constraint, response_format_constraint
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest, ResponseFormat
@@ -89,6 +90,26 @@ def test_auto_with_a_response_format_allows_calls_or_the_answer() -> None:
             ChatCompletionRequest.model_validate({"messages": USER, "tools": [TOOLS[1], TOOLS[1]]}), fmt
         )
     assert info.value.param == "tools[1].function.name"
+
+
+def test_auto_with_vllm_json_fields_allows_calls_or_the_answer() -> None:
+    """guided_json (and its kin) with tools under "auto" is the same union as response_format: it constrained the
+    whole output to the answer, which took the tools away."""
+    answer = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    for fields, param in [
+        ({"guided_json": answer}, "guided_json"),
+        ({"json_schema": answer}, "json_schema"),
+        ({"structured_outputs": {"json": answer}}, "structured_outputs.json"),
+    ]:
+        constraint, forced = check_options(_request(**fields))
+        assert constraint is not None and constraint.spec.kind == "tool_or_answer" and not forced
+        assert constraint.spec.value["answer"] == answer
+        err = constraint.error(GrammarError.invalid_schema("/answer/properties/x", "bad"))
+        assert err.param == param and "at /properties/x:" in err.message
+    constraint, _ = check_options(_request(guided_json=answer, tool_choice="none"))
+    assert constraint is not None and constraint.spec.kind == "json_schema"
+    constraint, _ = check_options(_request(guided_regex="a+"))
+    assert constraint is not None and constraint.spec.kind == "regex"  # not JSON: no union, as before
 
 
 def test_one_constraint_per_request() -> None:
