@@ -229,7 +229,7 @@ class KVTier:
                 if not on_disk and fut is None:
                     break
                 try:
-                    kv = fut.result() if fut is not None else self._read(key, chunk_tokens)
+                    kv = self._prefetched_or_read(fut, on_disk, key, chunk_tokens)
                 except ChunkError as exc:
                     self._forget(key, f"skipped KV chunk file {key}{SUFFIX}: {exc}")
                     break
@@ -245,6 +245,19 @@ class KVTier:
                 self.stats["bytes_read"] += read
                 self.stats["load_seconds"] += time.perf_counter() - t0
         return pos
+
+    def _prefetched_or_read(
+        self, fut: Future[torch.Tensor] | None, on_disk: bool, key: str, tokens: list[int]
+    ) -> torch.Tensor:
+        """The chunk from its read-ahead, else read now. A read-ahead that failed may have read a file since
+        replaced (evicted, then saved again): the file is read again before it is judged."""
+        if fut is not None:
+            try:
+                return fut.result()
+            except ChunkError:
+                if not on_disk:
+                    raise
+        return self._read(key, tokens)
 
     def _read(self, key: str, tokens: list[int]) -> torch.Tensor:
         return read_chunk(self.dir / f"{key}{SUFFIX}", self.config.model_key, key, tokens, self.shape,
@@ -354,7 +367,8 @@ class KVTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._stored -= size
-        (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
+            if key not in self._pending:  # else a new copy is being written: its file must stay
+                (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
 
     def _pop_over_capacity(self) -> list[str]:
         """Drop the least recently used chunks from the index until it fits the bound (under the lock, so the bound
@@ -367,8 +381,12 @@ class KVTier:
         return victims
 
     def _unlink(self, keys: list[str]) -> None:
-        for key in keys:
-            (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
+        """Delete the files of chunks dropped from the index, unless a chunk was saved again since (then its file
+        is the new copy, or is about to be). Under the lock, so no save comes in between the check and the unlink."""
+        with self._lock:
+            for key in keys:
+                if key not in self._index and key not in self._pending:
+                    (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
 
     def _write_loop(self) -> None:
         while True:

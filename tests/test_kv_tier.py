@@ -21,7 +21,8 @@ import torch
 
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.engine import Engine
-from radixserve.runtime.kv_tier import chain_keys
+from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.kv_tier import KVTier, TierConfig, chain_keys
 from radixserve.runtime.kv_tier_file import ChunkError, read_chunk, write_chunk
 from radixserve.runtime.request import Req
 from radixserve.runtime.sampling_params import SamplingParams
@@ -226,6 +227,37 @@ def test_chunk_file_checks(tmp_path: Path) -> None:
         read_chunk(path, "model", "k", list(range(CHUNK)), tuple(kv.shape), torch.float32)
     with pytest.raises(ChunkError, match="gone"):
         read_chunk(tmp_path / "missing.kv", "model", "k", list(range(CHUNK)), tuple(kv.shape), torch.float32)
+
+
+def test_a_chunk_saved_again_is_not_lost_to_a_stale_failure(tmp_path: Path) -> None:
+    """A read-ahead that failed (its file was evicted, then the chunk saved again) used to delete the new file at
+    load; an eviction's delete that ran after the chunk was saved again did the same."""
+    pool = KVPool(4 * CHUNK, 2, 2, 16, torch.float32, torch.device("cpu"))
+    pool._kv.copy_(torch.randn_like(pool._kv))
+    tier = KVTier(TierConfig(tmp_path, 1 << 20, CHUNK, "m"), pool)
+    try:
+        tokens, slots = list(range(CHUNK)), list(range(CHUNK))
+        key = tier.keys(tokens)[0]
+        want = pool._kv[:, :, :, :CHUNK].clone()
+        assert tier.save(key, 0, tokens, slots) and tier.drain(10)
+        real_read = tier._read
+
+        def stale(*_: object) -> torch.Tensor:
+            raise ChunkError("gone (read before the chunk was written again)")
+
+        tier._read = stale  # type: ignore[method-assign]
+        assert tier.prefetch([key], tokens, 0) == 1
+        tier._reader.submit(lambda: None).result()  # the read-ahead has failed
+        tier._read = real_read  # type: ignore[method-assign]
+        into = list(range(2 * CHUNK, 3 * CHUNK))
+        assert tier.load([key], tokens, 0, 0, into) == CHUNK
+        assert torch.equal(pool._kv[:, :, :, 2 * CHUNK : 3 * CHUNK], want)
+        assert tier.info()["files_skipped"] == 0 and tier.has(key)
+        tier._unlink([key])  # an eviction's delete arriving after the chunk is back in the index
+        assert (tier.dir / f"{key}.kv").is_file()
+        tier.check()
+    finally:
+        tier.close()
 
 
 def test_kill_during_write_keeps_the_previous_state(
