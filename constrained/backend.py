@@ -259,7 +259,8 @@ class LLGuidanceBackend:
         if spec.kind == "reasoning":
             inner = spec.value["inner"]
             answer = self.grammar_text(inner, reshape=reshape) if inner is not None else None
-            return reasoning_grammar(spec.value, answer)
+            close_is_one_token = len(self.info.ll_tokenizer.tokenize_str(spec.value["close"])) == 1
+            return reasoning_grammar(spec.value, answer, close_is_one_token)
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.value)
         if spec.kind == "choice":

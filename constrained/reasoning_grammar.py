@@ -32,27 +32,39 @@ def answer_spec(spec: ConstraintSpec) -> ConstraintSpec:
     return spec
 
 
+def _literal(text: str) -> str:
+    """``text`` as a regex matching it literally (llguidance's dialect, inside ``/.../``)."""
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)
+
+
 def _not_starting_with(tag: str) -> str:
     """A regex (llguidance's dialect, inside ``/.../``) of the texts that, after any leading whitespace, do not
     begin with ``tag``: nothing more, a proper prefix of it, or its first ``i`` characters and then another."""
-    def lit(text: str) -> str:
-        return "".join("\\" + c if c in r"\.^$|?*+()[]{}/-" else c for c in text)
-
-    alts = [""] + [lit(tag[:i]) for i in range(1, len(tag))]
+    alts = [""] + [_literal(tag[:i]) for i in range(1, len(tag))]
     for i, ch in enumerate(tag):
         other = ("\\" + ch if ch in r"\]^-/[" else ch) + ("\\s" if i == 0 else "")
-        alts.append(f"{lit(tag[:i])}[^{other}](?s:.*)")
+        alts.append(f"{_literal(tag[:i])}[^{other}](?s:.*)")
     return "\\s*(?:" + "|".join(alts) + ")"
 
 
-def reasoning_grammar(value: dict[str, Any], answer: str | None) -> str:
+def reasoning_grammar(value: dict[str, Any], answer: str | None, close_is_one_token: bool = True) -> str:
     """The llguidance grammar (TopLevelGrammar JSON text) of a ``reasoning`` value whose inner constraint compiled
-    to ``answer`` (llguidance grammar JSON), or None for a free-text answer."""
+    to ``answer`` (llguidance grammar JSON), or None for a free-text answer.
+
+    ``close_is_one_token``: whether the vocabulary spells the close tag as one token, as reasoning models' do. A
+    ``stop`` lexeme hides its stop text, which a matcher fed token by token accepts only when that text is one
+    token: a close tag of several tokens would be refused at its last one, and the section never closed. Without
+    a cap such a tag ends a lazy lexeme that includes it instead (the section ends at the first close tag). With a
+    cap the ``stop`` form stays, as only it can force the tag at the cap: the section then ends at the cap."""
     open_tag, close_tag = json.dumps(value["open"]), json.dumps(value["close"])
     options = [f"stop={close_tag}"]
     if value["max_tokens"] is not None:
         options.append(f"max_tokens={value['max_tokens']}")
     section = f"think {close_tag}" if value["opened"] else f"{open_tag} think {close_tag}"
+    think = f"think[{', '.join(options)}]: /(?s:.*)/"
+    if not close_is_one_token and value["max_tokens"] is None:
+        section = "think" if value["opened"] else f"{open_tag} think"
+        think = f"think[lazy]: /(?s:.*){_literal(value['close'])}/"
     if answer is None:
         body, rest = "ANSWER", ["ANSWER: /(?s:.*)/"]
         sub: list[dict[str, Any]] = []
@@ -66,5 +78,5 @@ def reasoning_grammar(value: dict[str, Any], answer: str | None) -> str:
         # without a section is text that does not start with the open tag.
         start = f"start: {section} {body} | PLAIN"
         rest.append(f"PLAIN: /{_not_starting_with(value['open'])}/")
-    lark = "\n".join([start, f"think[{', '.join(options)}]: /(?s:.*)/", *rest, ""])
+    lark = "\n".join([start, think, *rest, ""])
     return json.dumps({"grammars": [{"lark_grammar": lark}, *sub]})

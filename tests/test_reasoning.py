@@ -94,6 +94,36 @@ def test_reasoning_spec_keys_and_validation() -> None:
         ConstraintSpec("reasoning", {"inner": a})
 
 
+def test_a_close_tag_of_several_tokens_closes_the_section(tmp_path: Path) -> None:
+    """A vocabulary without a ``</think>`` token: the model's own close tag was refused at its last token (a
+    ``stop`` lexeme hides its text), so an answer with a schema never came. The section ends at the first tag."""
+    from transformers import AutoTokenizer
+
+    from radixserve.constrained.backend import LLGuidanceBackend
+    from radixserve.constrained.tokenizer import TokenizerInfo
+
+    info = TokenizerInfo.from_hf(AutoTokenizer.from_pretrained(make_tiny_model(tmp_path)))
+    assert len(info.ll_tokenizer.tokenize_str("</think>")) > 1
+    backend = LLGuidanceBackend(info)
+
+    def accepts(text: str, opened: bool, cap: int | None = None) -> bool:
+        inner = ConstraintSpec("json_schema", {"type": "object"})
+        value = {"inner": inner, "open": "<think>", "close": "</think>", "opened": opened, "max_tokens": cap}
+        matcher = backend.compile(ConstraintSpec("reasoning", value)).new_matcher()
+        return all(matcher.accept_token(t) for t in info.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
+
+    for opened in (True, False):
+        head = "" if opened else "<think>"
+        assert accepts(f"{head} a b </think>\n{{\"a\":1}}", opened)
+        assert not accepts(f"{head} a </think> b </think>{{}}", opened)  # the first tag ends the section
+        assert not accepts(f"{head} a b </think> not json", opened)
+    assert accepts('{"a":1}', False)  # no section at all
+    # With a cap the section ends there: the tag is forced after the cap's tokens.
+    cap = len(info.ll_tokenizer.tokenize_str(" one two three"))
+    assert accepts(" one two three</think>{}", True, cap=cap)
+    assert not accepts(" one two three four</think>{}", True, cap=cap)
+
+
 # ------------------------------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
