@@ -231,7 +231,8 @@ class KVTier:
                 try:
                     kv = self._prefetched_or_read(fut, on_disk, key, chunk_tokens)
                 except ChunkError as exc:
-                    self._forget(key, f"skipped KV chunk file {key}{SUFFIX}: {exc}")
+                    if on_disk:  # else evicted since its read-ahead: nothing to forget
+                        self._forget(key, f"skipped KV chunk file {key}{SUFFIX}: {exc}")
                     break
                 read += self.chunk_bytes
             lo = pos - k * c
@@ -367,8 +368,7 @@ class KVTier:
             size = self._index.pop(key, None)
             if size is not None:
                 self._stored -= size
-            if key not in self._pending:  # else a new copy is being written: its file must stay
-                (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
+        (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
 
     def _pop_over_capacity(self) -> list[str]:
         """Drop the least recently used chunks from the index until it fits the bound (under the lock, so the bound
@@ -381,12 +381,8 @@ class KVTier:
         return victims
 
     def _unlink(self, keys: list[str]) -> None:
-        """Delete the files of chunks dropped from the index, unless a chunk was saved again since (then its file
-        is the new copy, or is about to be). Under the lock, so no save comes in between the check and the unlink."""
-        with self._lock:
-            for key in keys:
-                if key not in self._index and key not in self._pending:
-                    (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
+        for key in keys:
+            (self.dir / f"{key}{SUFFIX}").unlink(missing_ok=True)
 
     def _write_loop(self) -> None:
         while True:

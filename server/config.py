@@ -8,15 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from radixserve.server.http_compat import CorsConfig
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
-CORS_HELP = {  # the CORS flags of `radixserve serve` and `radixserve router` (server.http_compat)
-    "allowed_origins": "Origins a browser may call the API from (CORS), e.g. https://app.example.com; '*' allows "
-    "any; --allowed-origins '' turns CORS off.",
-    "allowed_methods": "HTTP methods a cross-origin browser request may use (CORS).",
-    "allowed_headers": "Request headers a cross-origin browser request may send (CORS).",
-    "allow_credentials": "Let cross-origin browser requests send cookies / HTTP auth (CORS); needs the origins "
-    "named, not '*'.",
-}
 
 
 def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, secret: bool = False) -> Any:
@@ -24,8 +18,9 @@ def _opt(default: Any, help: str, choices: tuple[Any, ...] | None = None, secret
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Where and how the HTTP API is served. Validated in ``__post_init__`` (``ValueError`` says what to fix)."""
+class ServerConfig(CorsConfig):
+    """Where and how the HTTP API is served (and, from ``CorsConfig``, which web pages may call it). Validated in
+    ``__post_init__`` (``ValueError`` says what to fix)."""
 
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 to accept connections from other machines).")
     port: int = _opt(30000, "TCP port to listen on.")
@@ -68,10 +63,6 @@ class ServerConfig:
     request_read_timeout: float = _opt(
         30.0, "Seconds a client may take to send a request's headers and body; slower ones get 408."
     )
-    allowed_origins: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_origins"])
-    allowed_methods: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_methods"])
-    allowed_headers: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_headers"])
-    allow_credentials: bool = _opt(False, CORS_HELP["allow_credentials"])
     engine_process: bool = _opt(
         True,
         "Run the engine in a process of its own, so the HTTP front end never holds up its steps; "
@@ -81,15 +72,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name given as a string (the Python API)
             object.__setattr__(self, "served_model_name", (self.served_model_name,) if self.served_model_name else ())
-        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):  # '' (no value) turns CORS off
-            value = getattr(self, name)
-            items = (value,) if isinstance(value, str) else value
-            object.__setattr__(self, name, tuple(v.strip() for v in items if v.strip()))
-        if self.allow_credentials and "*" in self.allowed_origins:
-            raise ValueError(
-                "--allow-credentials needs the origins named in --allowed-origins: browsers refuse credentials "
-                "for '*'"
-            )
+        self.check_cors()
         if any(not n.strip() for n in self.served_model_name):
             raise ValueError("--served-model-name values must not be empty")
         if self.generation_config not in ("auto", "vllm"):

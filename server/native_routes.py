@@ -270,9 +270,8 @@ async def metrics(state: StateDep) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-@health_router.api_route(
-    "/health", methods=["GET", "HEAD"], summary="200 once the model is loaded and the engine runs, 503 otherwise"
-)
+# HEAD too, as every GET route (server.http_compat.HeadAsGet)
+@health_router.get("/health", summary="200 once the model is loaded and the engine runs, 503 otherwise")
 async def health(state: StateDep) -> JSONResponse:
     status, why = state.status()
     body: dict[str, Any] = {"status": status}

@@ -73,10 +73,17 @@ def test_errors_name_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cors_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    """Every origin by default (as vLLM and SGLang); named origins; '' turns CORS off; credentials need names."""
+    """Pages on this machine by default; named origins (vLLM's JSON list too); '' turns CORS off; credentials need
+    names; an origin with a path is refused."""
     parse = lambda *flags: from_args(ServerConfig, build_parser().parse_args(["serve", *flags]))  # noqa: E731
-    assert parse().allowed_origins == ("*",)
+    assert "http://localhost:*" in parse().allowed_origins and "*" not in parse().allowed_origins
     named = parse("--allowed-origins", "https://a.example", "https://b.example", "--allow-credentials")
     assert named.allowed_origins == ("https://a.example", "https://b.example") and named.allow_credentials
+    assert parse("--allowed-origins", '["https://a.example", "https://b.example"]').allowed_origins == (
+        "https://a.example",
+        "https://b.example",
+    )
     assert parse("--allowed-origins", "").allowed_origins == ()
-    assert "--allow-credentials needs the origins named" in _error(["serve", "--allow-credentials"], capsys)
+    error = _error(["serve", "--allowed-origins", "*", "--allow-credentials"], capsys)
+    assert "--allow-credentials needs the origins named" in error
+    assert "no path" in _error(["serve", "--allowed-origins", "https://a.example/app"], capsys)

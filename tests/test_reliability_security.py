@@ -73,39 +73,42 @@ def test_every_route_but_health_and_metrics_needs_the_key(engine: Engine) -> Non
 
 
 def test_browser_clients_and_head_probes(engine: Engine) -> None:
-    """CORS: a preflight is answered without the key; an answer, an error included, is readable by the page that
-    asked (its origin allowed), and not by others when origins are named. HEAD answers on every GET route."""
-    page = {"Origin": "https://app.example"}
-    preflight = {**page, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    """CORS: by default only pages on this machine may call the API from a browser (a page anywhere else could
+    otherwise run generations on a server without a key and read them). A preflight is answered without the key;
+    an answer, an error included, is readable by an allowed page and by no other. HEAD answers on every GET route."""
+    local, remote = {"Origin": "http://localhost:5173"}, {"Origin": "https://evil.example"}
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
     good = {"Authorization": f"Bearer {KEY}"}
     with (
         ServerThread(create_app(engine, ServerConfig(api_key=KEY))) as srv,
         httpx.Client(base_url=srv.url, timeout=30) as http,
     ):
-        resp = http.options("/v1/chat/completions", headers=preflight)
-        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
+        resp = http.options("/v1/chat/completions", headers={**local, **ask})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://localhost:5173"
         assert "authorization" in resp.headers["access-control-allow-headers"].lower()
-        resp = http.post("/v1/chat/completions", json={"messages": USER}, headers=page)
+        resp = http.post("/v1/chat/completions", json={"messages": USER}, headers=local)
         assert_error(resp, 401)
-        assert resp.headers["access-control-allow-origin"] == "*"
+        assert resp.headers["access-control-allow-origin"] == "http://localhost:5173"
         assert "x-request-id" in resp.headers["access-control-expose-headers"].lower()
+        other = http.options("/v1/chat/completions", headers={**remote, **ask})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert "access-control-allow-origin" not in http.get("/health", headers=remote).headers
         for path in ("/health", "/v1/models", "/server_info", "/metrics"):
             head, get = http.head(path, headers=good), http.get(path, headers=good)
             assert head.status_code == get.status_code == 200 and head.content == b"", path
         assert http.head("/v1/models").status_code == 401
-    named = ServerConfig(allowed_origins=("https://app.example",), allow_credentials=True)
+    named = ServerConfig(allowed_origins=("https://*.example.com",), allow_credentials=True)
     with ServerThread(create_app(engine, named)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
-        resp = http.options("/v1/models", headers=preflight)
-        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+        resp = http.options("/v1/models", headers={"Origin": "https://app.example.com", **ask})
+        assert resp.headers["access-control-allow-origin"] == "https://app.example.com"
         assert resp.headers["access-control-allow-credentials"] == "true"
-        other = http.options("/v1/models", headers={**preflight, "Origin": "https://evil.example"})
-        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
-        assert (
-            "access-control-allow-origin"
-            not in http.get("/v1/models", headers={"Origin": "https://evil.example"}).headers
-        )
+        for origin in ("https://evil.example", "https://a.b.example.com", "http://localhost:5173"):
+            assert "access-control-allow-origin" not in http.get("/v1/models", headers={"Origin": origin}).headers
+    with ServerThread(create_app(engine, ServerConfig(allowed_origins=("*",)))) as srv:
+        resp = httpx.options(srv.url + "/v1/chat/completions", headers={**remote, **ask})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
     with ServerThread(create_app(engine, ServerConfig(allowed_origins=("",)))) as srv:
-        resp = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        resp = httpx.options(srv.url + "/v1/chat/completions", headers={**local, **ask})
         assert resp.status_code == 405 and "access-control-allow-origin" not in resp.headers
 
 

@@ -293,16 +293,28 @@ def test_responses_continue_on_the_replica_that_stored_them() -> None:
 
 
 def test_browsers_may_call_the_router_and_monitors_may_probe_with_head() -> None:
-    """CORS preflights are answered without the API key (browsers never send it on one); HEAD works on GET routes."""
-    transport = FakeTransport({"a": ok_json()})
-    with fake_router(transport, api_key="sekret") as client:
-        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
-        resp = client.options("/v1/chat/completions", headers=preflight)
-        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "*"
-        resp = client.post("/v1/chat/completions", json=CHAT, headers={"Origin": "https://app.example"})
-        assert resp.status_code == 401 and resp.headers["access-control-allow-origin"] == "*"  # readable by the page
+    """CORS is the router's: preflights are answered without the API key, and a replica's own CORS headers (it
+    allows other origins than the router, or every one) never reach the client. HEAD works on GET routes."""
+    def open_replica(path: str, headers: Headers) -> FakeUpstream:
+        upstream = FakeUpstream(200, [b"{}"])
+        upstream.headers.append(("access-control-allow-origin", "*"))
+        return upstream
+
+    transport = FakeTransport({"a": open_replica})
+    routing = RoutingConfig(policy="round_robin", health_check_interval=60.0)
+    config = RouterConfig(worker_urls=("http://unused",), api_key="sekret").server_config()
+    app = create_router_app(ReplicaPool(["a"], make_policy("round_robin")), transport, config, routing)
+    key = {"Authorization": "Bearer sekret"}
+    with TestClient(app) as client:
+        local, remote = {"Origin": "http://localhost:3000"}, {"Origin": "https://evil.example"}
+        resp = client.options("/v1/chat/completions", headers={**local, "Access-Control-Request-Method": "POST"})
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://localhost:3000"
+        resp = client.post("/v1/chat/completions", json=CHAT, headers=local)
+        assert resp.status_code == 401 and resp.headers["access-control-allow-origin"] == "http://localhost:3000"
+        resp = client.post("/v1/chat/completions", json=CHAT, headers={**key, **remote})
+        assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+        assert "origin" not in transport.calls[-1][2]  # the replica is not asked
         for path in ("/health", "/router_info", "/metrics"):
-            headers = {"Authorization": "Bearer sekret"}
-            resp = client.head(path, headers=headers)
-            assert resp.status_code == client.get(path, headers=headers).status_code == 200, path
+            resp = client.head(path, headers=key)
+            assert resp.status_code == client.get(path, headers=key).status_code == 200, path
             assert resp.content == b""

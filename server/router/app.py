@@ -231,7 +231,7 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def metrics(request: Request) -> Response:
         return Response(render(_state(request).registry), media_type=CONTENT_TYPE_LATEST)
 
-    @open_routes.api_route("/health", methods=["GET", "HEAD"], summary="200 while at least one replica is healthy")
+    @open_routes.get("/health", summary="200 while at least one replica is healthy")  # HEAD too (http_compat)
     async def health(request: Request) -> JSONResponse:
         pool = _state(request).pool
         healthy = sum(r.healthy for r in pool.replicas.values())

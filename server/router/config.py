@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 from radixserve.runtime import envs
 from radixserve.runtime.config import add_arguments
-from radixserve.server.config import CORS_HELP, LOG_LEVELS, ServerConfig
+from radixserve.server.config import LOG_LEVELS, ServerConfig
+from radixserve.server.http_compat import CorsConfig, cors_fields
 from radixserve.server.router.policy import POLICIES, Policy, make_policy
 
 
@@ -73,7 +74,7 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(CorsConfig):
     """The plain router process: the replicas it fronts and how it serves HTTP."""
 
     worker_urls: tuple[str, ...] = _opt((), "Base URLs of the radixserve replicas (http://host:port), one or more.")
@@ -91,12 +92,9 @@ class RouterConfig:
     connect_timeout: float = _opt(5.0, "Seconds to wait for a TCP connection to a replica before trying another.")
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
     shutdown_grace_period: float = _opt(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
-    allowed_origins: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_origins"])
-    allowed_methods: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_methods"])
-    allowed_headers: tuple[str, ...] = _opt(("*",), CORS_HELP["allowed_headers"])
-    allow_credentials: bool = _opt(False, CORS_HELP["allow_credentials"])
 
     def __post_init__(self) -> None:
+        self.check_cors()
         urls = tuple(u.strip().rstrip("/") for u in self.worker_urls if u.strip())
         if not urls:
             raise ValueError("--worker-urls needs at least one replica URL (http://host:port)")
@@ -120,10 +118,7 @@ class RouterConfig:
             protect_metrics=self.protect_metrics,
             log_level=self.log_level,
             shutdown_grace_period=self.shutdown_grace_period,
-            allowed_origins=self.allowed_origins,
-            allowed_methods=self.allowed_methods,
-            allowed_headers=self.allowed_headers,
-            allow_credentials=self.allow_credentials,
+            **cors_fields(self),
         )
 
     def own_key(self) -> str:
@@ -131,7 +126,7 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
-class RayServeConfig:
+class RayServeConfig(CorsConfig):
     """``radixserve ray-serve``: where Ray runs, what each replica gets, where Serve's HTTP proxy listens."""
 
     replicas: int = _opt(2, "Engine replicas (one Ray Serve deployment each, one engine per replica).")
@@ -145,14 +140,17 @@ class RayServeConfig:
     log_level: str = _opt("info", "Logging verbosity.", LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        self.check_cors()
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.num_cpus_per_replica <= 0 or self.router_num_cpus <= 0 or self.num_gpus_per_replica < 0:
             raise ValueError("--num-cpus-per-replica and --router-num-cpus must be > 0, --num-gpus-per-replica >= 0")
-        ServerConfig(host=self.host, port=self.port, log_level=self.log_level)  # validated as serve validates them
+        self.server_config()  # host, port, log level, CORS: validated as serve validates them
 
     def server_config(self) -> ServerConfig:
-        return ServerConfig(host=self.host, port=self.port, api_key=self.api_key, log_level=self.log_level)
+        return ServerConfig(
+            host=self.host, port=self.port, api_key=self.api_key, log_level=self.log_level, **cors_fields(self)
+        )
 
 
 class _ListFlags:

@@ -55,8 +55,15 @@ class ClientGone(Exception):
 
 
 def forwarded_headers(headers: Any) -> Headers:
-    """The client's headers minus hop-by-hop ones (Authorization is kept: replicas check the same key)."""
-    return [(k, v) for k, v in headers.items() if k.lower() not in _SKIP_HEADERS]
+    """The client's headers minus hop-by-hop ones (Authorization is kept: replicas check the same key) and its
+    Origin: CORS is the router's to answer (``_cors_free``)."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in _SKIP_HEADERS and k.lower() != "origin"]
+
+
+def _cors_free(headers: Headers) -> Headers:
+    """A replica's response headers without CORS ones: the router's own CORS settings decide (a replica allowing
+    every origin must not open a router that names its origins)."""
+    return [(k, v) for k, v in headers if not k.lower().startswith("access-control-")]
 
 
 def error_response(status: int, message: str, code: str, retry_after: bool = False) -> JSONResponse:
@@ -249,7 +256,8 @@ class Forwarder:
         self, request: Request, upstream: Upstream, lease: _Lease, learn: Callable[[str, bytes], bool] | None = None
     ) -> Response:
         # The router's own server adds Date and Server: the replica's would repeat them.
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _SKIP_HEADERS | {"date", "server"}]
+        skip = _SKIP_HEADERS | {"date", "server"}
+        headers = [(k, v) for k, v in _cors_free(upstream.headers) if k.lower() not in skip]
         headers.append((REPLICA_HEADER, lease.replica))
         if upstream.content_type.startswith("text/event-stream"):
             sniff = (lambda head: learn(lease.replica, head)) if learn is not None and upstream.status == 200 else None
