@@ -2,7 +2,8 @@
 
 Invariant: no exception escapes a route as a bare 500. Client mistakes (including pydantic validation errors
 and malformed JSON, which FastAPI would answer with 422) become 400; unexpected exceptions become a 500 that
-names the exception, and are logged with their traceback.
+names the exception, and are logged with their traceback. That 500 is made inside the app's middlewares
+(``InternalErrors``), so it carries the request id and CORS headers as every other answer does.
 """
 
 from __future__ import annotations
@@ -238,4 +239,35 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(Exception, unexpected)  # what escapes a middleware (Starlette's outermost layer)
+    app.add_middleware(InternalErrors)  # the first added: inside every middleware added after
+
+
+class InternalErrors:
+    """ASGI middleware: an unexpected exception of a route becomes the API's 500 here, inside the app's other
+    middlewares, so that the answer carries the request id and the CORS headers (Starlette's handler for
+    ``Exception`` answers outside them all). Once a response has started, the exception propagates as before
+    (the server closes the connection; a stream reports its errors itself)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            err = internal_error(exc)
+            await error_response(scope["path"], 500, err.message, code=err.code)(scope, receive, send)

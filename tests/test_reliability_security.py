@@ -112,6 +112,23 @@ def test_browser_clients_and_head_probes(engine: Engine) -> None:
         assert resp.status_code == 405 and "access-control-allow-origin" not in resp.headers
 
 
+def test_an_unexpected_error_is_a_500_a_browser_can_read(engine: Engine) -> None:
+    """Starlette answers an exception outside every middleware: the 500 had no X-Request-Id (the id a user
+    reports) and no CORS headers (a page could not read it)."""
+    app = create_app(engine, ServerConfig())
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken, methods=["GET"])
+    with ServerThread(app) as srv:
+        resp = httpx.get(srv.url + "/broken", headers={"Origin": "http://localhost:8080", "X-Request-Id": "r-42"})
+    err = assert_error(resp, 500)
+    assert "RuntimeError" in err["message"] and err["type"] == "server_error"
+    assert resp.headers["x-request-id"] == "r-42"
+    assert resp.headers["access-control-allow-origin"] == "http://localhost:8080"
+
+
 def test_request_content_is_never_code_or_a_path(engine: Engine) -> None:
     """Template syntax in a message is text; template variables from the request cannot replace the template or
     the conversation; a model name that is a path loads nothing."""
