@@ -354,7 +354,7 @@ class EngineCore:
             hit = req.stop_checker.check(req.output_text, prev_len)
             if hit is not None:
                 cut, stop = hit
-                req.output_text = req.output_text[:cut]
+                req.output_text = req.output_text[: cut + len(stop) if params.include_stop_str_in_output else cut]
                 req.finish_reason, req.matched_stop = FinishReason.STOP, stop
                 return
         if n_out >= params.min_new_tokens and (

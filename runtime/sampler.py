@@ -8,7 +8,7 @@ request produces the same tokens whatever else shares its batch, whichever row i
 device, and no generator state has to come back to the host.
 
 Order of operations for a row (each step is skipped for the whole batch when no row needs it):
-  1. grammar mask (disallowed tokens become -inf);
+  1. grammar mask (disallowed tokens become -inf), then allowed_token_ids and bad_words_ids likewise;
   2. logit_bias (added), repetition_penalty (HF: over prompt + output), frequency/presence penalties
      (OpenAI: over output only), and the min_new_tokens mask on EOS / stop_token_ids;
   3. logprobs are taken here, before temperature, as OpenAI and vLLM report them;
@@ -39,8 +39,8 @@ _NEG_INF = float("-inf")
 class NoAllowedTokenError(ValueError):
     """The grammar allows no token at all in some rows; ``rids`` names them so the engine fails only those."""
 
-    def __init__(self, rids: list[str]) -> None:
-        super().__init__(f"no token is allowed by the grammar for request(s) {', '.join(map(repr, rids))}")
+    def __init__(self, rids: list[str], by: str = "the grammar") -> None:
+        super().__init__(f"no token is allowed by {by} for request(s) {', '.join(map(repr, rids))}")
         self.rids = rids
 
 
@@ -321,19 +321,45 @@ class Sampler:
             dead = torch.isneginf(x.amax(dim=-1))  # rows left with nothing
             x[r_t, c_t] = torch.where(dead[r_t], saved, x[r_t, c_t])
 
+    def _apply_token_filters(self, x: torch.Tensor, reqs: Sequence[Req]) -> list[str]:
+        """In place on float32 ``x`` [B, V]: ``allowed_token_ids`` (every other token -inf) and ``bad_words_ids``
+        (the banned tokens -inf, unless that leaves the row nothing: a grammar that allows only them decides, as
+        with min_new_tokens). Returns the rids whose allowed tokens a grammar mask left no room for."""
+        empty = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.allowed_token_ids:
+                ids = tensor_on(p.allowed_token_ids, x.device)
+                keep = x[i, ids]  # (advanced indexing: a copy)
+                x[i].fill_(_NEG_INF)
+                x[i, ids] = keep
+                if bool(torch.isneginf(keep.amax())):
+                    empty.append(r.rid)
+            if p.bad_words_ids:
+                out = r.output_ids
+                banned = [
+                    seq[-1]
+                    for seq in p.bad_words_ids
+                    if len(seq) == 1 or (len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1 :] == seq[:-1])
+                ]
+                if banned:
+                    cols = tensor_on(banned, x.device)
+                    saved = x[i, cols]
+                    x[i, cols] = _NEG_INF
+                    if bool(torch.isneginf(x[i].amax())):
+                        x[i, cols] = saved
+        return empty
+
     def argmax_only(self, reqs: Sequence[Req]) -> bool:
         """Whether every row's token is the argmax of its logits as they are: greedy, no grammar, no logit edits
-        (bias, penalties, a min_new_tokens mask still on), no log-probs."""
+        (bias, penalties, allowed or banned tokens, a min_new_tokens mask still on), no log-probs."""
         for r in reqs:
             p = r.params
             if (
                 not p.greedy
                 or r.grammar is not None
                 or p.return_logprob
-                or p.logit_bias
-                or p.repetition_penalty != 1.0
-                or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0
+                or p.edits_logits
                 or len(r.output_ids) < p.min_new_tokens
             ):
                 return False
@@ -357,14 +383,7 @@ class Sampler:
                 raise NoAllowedTokenError([reqs[i].rid for i in empty])
 
         params = [r.params for r in reqs]
-        needs_edit = any(
-            p.logit_bias
-            or p.repetition_penalty != 1.0
-            or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0
-            or len(r.output_ids) < p.min_new_tokens
-            for r, p in zip(reqs, params, strict=True)
-        )
+        needs_edit = any(p.edits_logits or len(r.output_ids) < p.min_new_tokens for r, p in zip(reqs, params))
         want_lp = [p.return_logprob for p in params]
         greedy = [p.greedy for p in params]
 
@@ -378,6 +397,9 @@ class Sampler:
         if allowed is not None:
             _mask_disallowed(x, allowed)
         if needs_edit:
+            empty = self._apply_token_filters(x, reqs)
+            if empty:
+                raise NoAllowedTokenError(empty, "the grammar and allowed_token_ids")
             self._apply_penalties(x, reqs)
             self._apply_min_new_tokens(x, reqs, masked=allowed is not None)
 

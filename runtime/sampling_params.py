@@ -43,12 +43,32 @@ class SamplingParams:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     skip_special_tokens: bool = True
+    # vLLM's: keep a matched stop string at the end of the text (SGLang's no_stop_trim).
+    include_stop_str_in_output: bool = False
+    # vLLM's: only these tokens may be sampled (empty: any).
+    allowed_token_ids: list[int] = field(default_factory=list)
+    # vLLM's bad_words as token sequences: a sequence's last token is not sampled where the output ends with the
+    # tokens before it (a one-token sequence: never). The server tokenizes the words.
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.
     constraint: ConstraintSpec | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it picks (bias, penalties, allowed or banned
+        tokens): then neither the argmax of the raw logits nor a speculative draft's check stands for it."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.allowed_token_ids
+            or self.bad_words_ids
+        )
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
@@ -75,9 +95,12 @@ class SamplingParams:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        for tid in list(self.stop_token_ids) + list(self.logit_bias):
+        banned = [t for seq in self.bad_words_ids for t in seq]
+        for tid in list(self.stop_token_ids) + list(self.logit_bias) + list(self.allowed_token_ids) + banned:
             if not 0 <= int(tid) < vocab_size:
                 raise ValueError(f"token id {tid} is out of range [0, {vocab_size})")
+        if any(not seq for seq in self.bad_words_ids):
+            raise ValueError("bad_words_ids must be non-empty token sequences")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:

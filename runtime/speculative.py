@@ -158,11 +158,4 @@ class NgramDrafter(Drafter):
 def can_speculate(req: Req) -> bool:
     """Whether verification of this request's drafts is exact (see the module docstring)."""
     p = req.params
-    return (
-        not p.return_logprob
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
-        and len(req.output_ids) >= p.min_new_tokens
-    )
+    return not p.return_logprob and not p.edits_logits and len(req.output_ids) >= p.min_new_tokens

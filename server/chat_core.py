@@ -35,7 +35,7 @@ from radixserve.server.constraints import (
 )
 from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import bad_request, request_failed
-from radixserve.server.params import budget, openai_params
+from radixserve.server.params import budget, openai_params, truncate_prompt
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_constraint
 from radixserve.server.state import ServerState
@@ -189,8 +189,9 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
             "max_thinking_tokens needs a reasoning model: start the server with --reasoning-parser",
             "max_thinking_tokens",
         )
-    prompt_ids = encode(engine.tokenizer, text, add_special_tokens=False)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    prompt_ids = encode(engine.tokenizer, text, add_special_tokens=False)
+    prompt_ids = truncate_prompt(prompt_ids, body.truncate_prompt_tokens, requested, engine.max_context_len)
     max_new = budget(requested, len(prompt_ids), engine.max_context_len, state.kv_total_tokens, prompt_param)
     params = openai_params(
         body,
@@ -200,6 +201,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
         top_logprobs=body.top_logprobs or 0,
         constraint=constraint.spec if constraint is not None else None,
         defaults=state.sampling_defaults,
+        tokenizer=engine.tokenizer,
     )
     await compile_constraints(engine, state.metrics, [constraint])
     cid = f"chatcmpl-{uuid.uuid4().hex}"

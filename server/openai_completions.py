@@ -30,7 +30,7 @@ from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import completion_logprobs, prompt_entries
-from radixserve.server.params import budget, openai_params
+from radixserve.server.params import budget, openai_params, truncate_prompt
 from radixserve.server.protocol import CompletionRequest
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
@@ -87,6 +87,9 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     requests: list[tuple[list[int], SamplingParams, str | None]] = []
     cid = f"cmpl-{uuid.uuid4().hex}"
     for p, (ids, _) in enumerate(prompts):
+        if body.truncate_prompt_tokens is not None:
+            ids = truncate_prompt(ids, body.truncate_prompt_tokens, body.max_tokens, engine.max_context_len)
+            prompts[p] = (ids, engine.tokenizer.decode(ids, skip_special_tokens=False))
         requested = body.max_tokens
         if requested is None:
             room = min(engine.max_context_len, state.kv_total_tokens) - len(ids)
@@ -101,6 +104,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             echo_logprobs=body.echo and want_lps,
             constraint=constraint.spec if constraint is not None else None,
             defaults=state.sampling_defaults,
+            tokenizer=engine.tokenizer,
         )
         requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
     await compile_constraints(engine, state.metrics, [constraint])

@@ -16,6 +16,7 @@ from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server.constraints import CONSTRAINT_FIELDS, native_constraint
 from radixserve.server.errors import bad_request, from_engine_error
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.tokens import encode
 
 _NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "return_logprob",
@@ -24,12 +25,18 @@ _NATIVE_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {
     "constraint",  # set from the constraint fields (regex, json_schema, ...), never as a raw value
 }
 # SGLang sampling_params keys that are spelled differently here.
-_NATIVE_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+_NATIVE_ALIASES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+}
 # Sizes beyond what any client needs, bounding the per-token work one request can cause (stop strings are
 # searched after every token, stop ids and biases are applied to every step's logits).
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 64
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -57,6 +64,18 @@ def parse_logit_bias(bias: Any, param: str = "logit_bias") -> dict[int, float]:
             raise bad_request(f"{param} lists token {int(key)} twice", param)
         out[int(key)] = float(value)
     return out
+
+
+def truncate_prompt(ids: list[int], keep: int | None, requested: int | None, max_context_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (the left part is cut, as a chat's
+    oldest turns); -1 keeps as many as the context holds with ``requested`` new tokens (or one)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(1, max_context_len - (requested or 1))
+    if keep < 1:
+        raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for as many as fit", "truncate_prompt_tokens")
+    return ids[-keep:]
 
 
 def budget(requested: int | None, prompt_len: int, max_context_len: int, kv_tokens: int, prompt_param: str) -> int:
@@ -100,10 +119,11 @@ def openai_params(
     echo_logprobs: bool = False,
     constraint: ConstraintSpec | None = None,
     defaults: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> list[SamplingParams]:
     """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
     carries ``constraint``. ``defaults`` (the model's generation config) fill the sampling parameters the request
-    did not send."""
+    did not send. ``tokenizer`` turns ``bad_words`` into token sequences."""
     if req.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_new_tokens})", "min_tokens")
     sampling = _sampling_fields(req, defaults or {})
@@ -122,6 +142,9 @@ def openai_params(
         top_logprobs_num=top_logprobs,
         logprob_start_len=0 if echo_logprobs else -1,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
+        bad_words_ids=bad_words_ids(req.bad_words, tokenizer),
         constraint=constraint,
     )
     _validate(params, vocab_size, native=False)
@@ -129,6 +152,33 @@ def openai_params(
         raise bad_request(f"seed must be below 2**63 - n, got {req.seed}", "seed")
     seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
     return [dataclasses.replace(params, seed=s, stop=list(params.stop)) for s in seeds]
+
+
+def _allowed_token_ids(ids: list[int] | None) -> list[int]:
+    if ids is not None and not ids:
+        raise bad_request("allowed_token_ids must list at least one token id (leave it out to allow any)",
+                          "allowed_token_ids")  # fmt: skip
+    return sorted(set(ids or ()))
+
+
+def bad_words_ids(words: list[str] | None, tokenizer: Any) -> list[list[int]]:
+    """vLLM's ``bad_words`` as token sequences: each word as it is tokenized at the start of a text and after a
+    space (a word-initial token differs from a mid-text one in most vocabularies), duplicates once."""
+    if not words:
+        return []
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"at most {MAX_BAD_WORDS} bad_words are allowed, got {len(words)}", "bad_words")
+    out: list[list[int]] = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words must be non-empty words", "bad_words")
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(tokenizer, text, add_special_tokens=False)
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise bad_request(f"a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long", "bad_words")
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 # Sampling parameters a generation config may give defaults for, with the server's own default.
@@ -203,17 +253,25 @@ def _check_types(params: SamplingParams) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif f.name == "stop":
             ok = isinstance(value, list) and all(isinstance(s, str) for s in value)
-        elif f.name == "stop_token_ids":
-            ok = isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        elif f.name in ("stop_token_ids", "allowed_token_ids"):
+            ok = isinstance(value, list) and all(_is_int(t) for t in value)
+        elif f.name == "bad_words_ids":
+            ok = isinstance(value, list) and all(isinstance(q, list) and all(_is_int(t) for t in q) for q in value)
         else:
             ok = True
         if not ok:
             raise TypeError(f"{f.name} has the wrong type ({type(value).__name__}: {value!r})")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
     prefix = "sampling_params." if native else ""
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))):
+    checked = [("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))]
+    checked += [("allowed_token_ids", params.allowed_token_ids)]
+    for name, ids in checked:
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:  # checked here too, to name the parameter
             raise bad_request(f"{name}: token id {bad} is out of range [0, {vocab_size})", prefix + name)

@@ -144,6 +144,12 @@ class _SamplingFields(_NullIsDefault):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = Field(False, description="Keep a matched stop string at the end of the text.")
+    allowed_token_ids: list[int] | None = Field(None, description="Only these tokens may be generated.")
+    bad_words: list[str] | None = Field(None, description="Words never generated (as vLLM bans them, by tokens).")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Keep only the prompt's last N tokens (-1: as many as the context allows)."
+    )
     # Grammar-constrained decoding (at most one per request; see server/constraints.py).
     regex: str | None = Field(None, description="The output must match this regex (Rust regex syntax) in full.")
     json_schema: dict[str, Any] | bool | str | None = Field(

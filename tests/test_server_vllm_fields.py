@@ -111,8 +111,8 @@ def test_vllm_constraint_fields_are_enforced(client: openai.OpenAI, extra: dict[
         ({"structured_outputs": {"structural_tag": {"x": 1}}}, "structured_outputs.structural_tag", None),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", None),
         ({"use_beam_search": True}, "use_beam_search", "unsupported_parameter"),
-        ({"bad_words": ["foo"]}, "bad_words", "unsupported_parameter"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "unsupported_parameter"),
+        ({"best_of": 2}, "best_of", "unsupported_parameter"),
+        ({"echo": True}, "echo", "unsupported_parameter"),
         ({"chat_template": "{{ messages }}"}, "chat_template", "unsupported_parameter"),
     ],
 )

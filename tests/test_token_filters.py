@@ -1,0 +1,154 @@
+"""vLLM's token filters: ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output`` and
+``truncate_prompt_tokens``: in the sampler alone, in the engine on the tiny random model, and over HTTP with the
+official client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.sampler import NoAllowedTokenError
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
+from tests.test_sampler import EOS, V, make_req, make_sampler, rand_logits
+from tests.test_server_tiny import MODEL, USER, assert_error
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+def test_allowed_token_ids_bound_every_row_greedy_or_sampled() -> None:
+    allowed = [3, 7, 11]
+    reqs = [make_req(f"r{i}", temperature=0.0 if i % 2 else 2.0, seed=i, allowed_token_ids=allowed) for i in range(64)]
+    free = make_req("free", temperature=0.0)
+    out = make_sampler().sample(rand_logits(65, seed=1), [*reqs, free]).token_ids
+    assert set(out[:64]) <= set(allowed) and len(set(out[:64])) > 1
+    assert out[64] == int(rand_logits(65, seed=1)[64].argmax())  # a row without the field is left alone
+
+
+def test_allowed_token_ids_that_a_grammar_forbids_fail_the_request() -> None:
+    grammar = torch.zeros(1, V, dtype=torch.bool)
+    grammar[0, 5] = True
+    with pytest.raises(NoAllowedTokenError, match="allowed_token_ids"):
+        make_sampler().sample(rand_logits(1, seed=2), [make_req("r", allowed_token_ids=[3])], grammar)
+
+
+def test_bad_words_ban_the_last_token_after_the_rest() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 9], logits[0, 8] = 10.0, 9.0
+    s = make_sampler()
+    one_token = make_req("r", temperature=0.0, bad_words_ids=[[9]])
+    assert s.sample(logits, [one_token]).token_ids == [8]
+    two_tokens = make_req("r", temperature=0.0, bad_words_ids=[[4, 9]], output=[1, 2])
+    assert s.sample(logits, [two_tokens]).token_ids == [9]  # the output does not end with 4: 9 is fine
+    two_tokens.output_ids = [1, 4]
+    assert s.sample(logits, [two_tokens]).token_ids == [8]
+    # A grammar that allows only the banned token decides: the ban yields rather than fail the request.
+    grammar = torch.zeros(1, V, dtype=torch.bool)
+    grammar[0, 9] = True
+    assert s.sample(logits, [make_req("r", temperature=0.0, bad_words_ids=[[9]])], grammar).token_ids == [9]
+
+
+def test_token_filters_are_validated() -> None:
+    for bad in ({"allowed_token_ids": [V]}, {"bad_words_ids": [[1, V]]}, {"bad_words_ids": [[]]}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).validate(V)
+    assert SamplingParams(allowed_token_ids=[EOS]).edits_logits and not SamplingParams().edits_logits
+
+
+# ------------------------------------------------------------------------------------------------ engine
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    eng = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=4096)
+    yield eng
+    eng.shutdown()
+
+
+def test_the_engine_applies_the_filters(engine: Engine) -> None:
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    stop = free["text"][4:7]
+    kept = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, stop=[stop],
+                                                  include_stop_str_in_output=True))  # fmt: skip
+    assert kept["text"] == free["text"][: free["text"].index(stop) + len(stop)]
+    assert kept["meta_info"]["matched_stop"] == stop
+    ids = free["output_ids"]
+    pair = ids[:2]  # the first token alone stays allowed; after it, the second never comes
+    banned = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                                    bad_words_ids=[pair]))["output_ids"]  # fmt: skip
+    assert banned[0] == ids[0] and all(banned[i : i + 2] != pair for i in range(len(banned)))
+    single = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                                    bad_words_ids=[[ids[0]]]))["output_ids"]  # fmt: skip
+    assert ids[0] not in single
+    allowed = engine.generate(prompt, SamplingParams(max_new_tokens=24, temperature=1.0, seed=3, ignore_eos=True,
+                                                     allowed_token_ids=ids[:4]))  # fmt: skip
+    assert set(allowed["output_ids"]) <= set(ids[:4])
+
+
+# ------------------------------------------------------------------------------------------------ server
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[ServerThread]:
+    with ServerThread(create_app(engine, ServerConfig(served_model_name=MODEL))) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_vllm_filter_fields_over_http(client: openai.OpenAI, server: ServerThread, engine: Engine) -> None:
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[5:8]
+    kept = client.completions.create(**kw, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == free[: free.index(stop) + len(stop)]
+    streamed = client.completions.create(
+        **kw, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True}
+    )
+    assert "".join(c.choices[0].text for c in streamed) == kept.choices[0].text
+    # bad_words: the word's tokens never come out, at the start of the text or after a space.
+    word = free.split()[1] if len(free.split()) > 1 else free.strip()[:3]
+    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0].text
+    assert banned != free
+    tokenizer = engine.tokenizer
+    for variant in (word, " " + word):
+        seq = tokenizer.encode(variant, add_special_tokens=False)
+        out = tokenizer.encode(banned, add_special_tokens=False)
+        assert all(out[i : i + len(seq)] != seq for i in range(len(out))), (variant, banned)
+    # allowed_token_ids bounds a chat answer too; truncate_prompt_tokens keeps the prompt's tail.
+    allowed = tokenizer.encode(" yes no", add_special_tokens=False)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=1,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )  # fmt: skip
+    assert set(tokenizer.encode(chat.choices[0].message.content, add_special_tokens=False)) <= set(allowed)
+    cut = client.completions.create(**kw, extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+    chat_cut = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                              extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    assert chat_cut.usage.prompt_tokens == 3
+    # SGLang's spelling on /generate.
+    native = httpx.post(server.url + "/generate", json={
+        "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 16, "temperature": 0, "stop": [stop],
+                                                           "no_stop_trim": True}}, timeout=60)  # fmt: skip
+    assert native.json()["text"] == kept.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
+def test_bad_filter_values_are_a_400_naming_the_field(server: ServerThread, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, **extra}
+    assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60), 400, param=param)
