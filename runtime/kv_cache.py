@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from radixserve.radix import RadixTree, TreeNode
 from radixserve.runtime.kv_pool import SlotAllocator
 from radixserve.runtime.kv_tier import KVTier
-from radixserve.runtime.request import FinishReason, Req
+from radixserve.runtime.request import SALTED_IDS, FinishReason, Req
 
 
 class KVCacheManager:
@@ -59,7 +59,7 @@ class KVCacheManager:
 
     def prefetch(self, req: Req) -> None:
         """Have the tier read ahead the chunks of a new request's prompt that lie past the tree's match."""
-        if self.tier is None or self.tree is None:
+        if self.tier is None or self.tree is None or req.params.cache_salt is not None:
             return
         head = req.all_ids[: req.total - 1]  # admission always leaves the last token to compute
         first, last = self.tree.cached_prefix_len(head) // self.tier.chunk_tokens, len(head) // self.tier.chunk_tokens
@@ -89,12 +89,13 @@ class KVCacheManager:
             limit = min(limit, req.next_logprob_pos)
         if limit <= 0:
             return 0
-        match = self.tree.match_prefix(req.all_ids[:limit])
+        match = self.tree.match_prefix(req.cache_ids[:limit])
         self.tree.lock(match.node)
         req.prefix_handle = match.node
         req.slots = list(match.slots)
         req.prefix_len = req.num_computed = len(match.slots)
-        if self.tier is not None and limit - req.prefix_len >= self.tier.chunk_tokens:
+        salted = req.params.cache_salt is not None  # the tier keys chunks by tokens alone: a salt keeps out of it
+        if self.tier is not None and not salted and limit - req.prefix_len >= self.tier.chunk_tokens:
             self._load_from_tier(req, limit)
         return req.prefix_len
 
@@ -136,6 +137,8 @@ class KVCacheManager:
         assert self.tier is not None and self.tree is not None
         c = self.tier.chunk_tokens
         tokens, slots = self.tree.path(leaf)
+        if tokens[0] >= SALTED_IDS:
+            return  # a salted request's KV (see ``admit``)
         first, last = (len(tokens) - len(leaf.tokens)) // c, len(tokens) // c
         if first < last:
             for k, key in enumerate(self.tier.keys(tokens, first, last), start=first):
@@ -153,7 +156,7 @@ class KVCacheManager:
         keys: list[str] = []  # keys of the complete chunks of ``tokens``
         # Depth-first with an explicit stack: when a node is popped, the first ``depth`` entries of the running
         # lists are its parent's path (every sibling's subtree popped since shares that much).
-        stack = [(child, 0) for child in self.tree.root.children.values()]
+        stack = [(child, 0) for child in self.tree.root.children.values() if child.tokens[0] < SALTED_IDS]
         while stack:
             node, depth = stack.pop()
             del tokens[depth:], slots[depth:], keys[depth // c :]
@@ -181,7 +184,7 @@ class KVCacheManager:
         lock on them. Its private tail becomes empty."""
         if self.tree is None or req.num_computed <= req.prefix_len:
             return
-        tokens = req.all_ids[: req.num_computed]
+        tokens = req.cache_ids[: req.num_computed]
         self._insert(req, tokens)
         match = self.tree.match_prefix(tokens)
         if len(match.slots) != len(tokens):
@@ -207,7 +210,7 @@ class KVCacheManager:
                 self.tree.unlock(req.prefix_handle)
             self.allocator.free(req.slots[req.prefix_len :])
         else:
-            tokens = req.all_ids[: req.num_computed]
+            tokens = req.cache_ids[: req.num_computed]
             if len(tokens) > req.prefix_len:
                 self._insert(req, tokens)
             if req.prefix_handle is not None:

@@ -8,6 +8,8 @@ so a fresh prompt, a chunked prefill, a cache hit and a resumed retraction are o
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,17 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+# Token ids are below this; salted cache ids (``Req.cache_ids``) are at or above it.
+SALTED_IDS = 1 << 32
+
+
+@functools.lru_cache(maxsize=4096)
+def salt_offset(salt: str) -> int:
+    """What a salt adds to token ids in the radix tree: a 64-bit hash of it, times ``SALTED_IDS`` (non-zero)."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"radixsalt").digest()
+    return (int.from_bytes(digest, "little") | 1) * SALTED_IDS
 
 
 class Req:
@@ -122,6 +135,16 @@ class Req:
         if end <= n:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The ids the radix tree keys this request's KV by: ``all_ids``, or with a ``cache_salt`` each id moved
+        above every token id by the salt's hash, so that requests with other salts (or none) share no cached
+        prefix with it, and cannot time one (vLLM's ``cache_salt``)."""
+        if self.params.cache_salt is None:
+            return self.all_ids
+        offset = salt_offset(self.params.cache_salt)
+        return [t + offset for t in self.all_ids]
 
     @property
     def total(self) -> int:

@@ -50,6 +50,8 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token is not sampled where the output ends with the
     # tokens before it (a one-token sequence: never). The server tokenizes the words.
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's cache_salt: requests share cached prefixes (and their timing) only with requests of the same salt.
+    cache_salt: str | None = None
     # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.
     constraint: ConstraintSpec | None = None
 
@@ -99,6 +101,8 @@ class SamplingParams:
         for tid in list(self.stop_token_ids) + list(self.logit_bias) + list(self.allowed_token_ids) + banned:
             if not 0 <= int(tid) < vocab_size:
                 raise ValueError(f"token id {tid} is out of range [0, {vocab_size})")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if any(not seq for seq in self.bad_words_ids):
             raise ValueError("bad_words_ids must be non-empty token sequences")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):

@@ -221,7 +221,7 @@ class Scheduler:
     def _ordered_waiting(self) -> list[Req]:
         waiting = list(self.waiting)
         if self.config.schedule_policy == "lpm" and self.cache.tree is not None and len(waiting) <= LPM_MAX_QUEUE:
-            scores = {id(r): self.cache.peek_prefix_len(r.all_ids) for r in waiting}
+            scores = {id(r): self.cache.peek_prefix_len(r.cache_ids) for r in waiting}
             # Retracted requests resume first; then longest cached prefix; stable on arrival order.
             waiting.sort(key=lambda r: (r.num_retractions == 0, -scores[id(r)]))
         return waiting
@@ -232,12 +232,12 @@ class Scheduler:
             return admitted
         # Prompts being prefilled this step; a waiting request sharing a long uncached head with one of them
         # waits so that head is computed once.
-        in_flight = [c.req.all_ids for c in extends]
+        in_flight = [c.req.cache_ids for c in extends]  # (a salted prompt shares nothing with another salt's)
         reserved = self._reserved()
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            tokens = req.all_ids
+            tokens = req.cache_ids
             if self.cache.tree is not None and in_flight:
                 cached = self.cache.peek_prefix_len(tokens)
                 shared = max(_common_prefix(tokens, other) for other in in_flight) - cached

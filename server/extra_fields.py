@@ -63,7 +63,6 @@ HARMLESS = frozenset(
         "prompt_cache_key",
         "guided_decoding_backend",
         "priority",
-        "cache_salt",
         "kv_transfer_params",
         "vllm_xargs",
         "request_id",

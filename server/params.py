@@ -145,6 +145,7 @@ def openai_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         bad_words_ids=bad_words_ids(req.bad_words, tokenizer),
+        cache_salt=req.cache_salt,
         constraint=constraint,
     )
     _validate(params, vocab_size, native=False)

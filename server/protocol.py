@@ -150,6 +150,9 @@ class _SamplingFields(_NullIsDefault):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="Keep only the prompt's last N tokens (-1: as many as the context allows)."
     )
+    cache_salt: str | None = Field(
+        None, min_length=1, description="Cached prefixes are shared only among requests with the same salt."
+    )
     # Grammar-constrained decoding (at most one per request; see server/constraints.py).
     regex: str | None = Field(None, description="The output must match this regex (Rust regex syntax) in full.")
     json_schema: dict[str, Any] | bool | str | None = Field(

@@ -56,6 +56,7 @@ class ResponsesRequest(_NullIsDefault):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_thinking_tokens: int | None = Field(None, ge=1)
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes cached per salt
 
 
 def _text(content: Any, at: str) -> str:
@@ -196,6 +197,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
         "min_p": body.min_p,
         "repetition_penalty": body.repetition_penalty,
         "max_thinking_tokens": body.max_thinking_tokens,
+        "cache_salt": body.cache_salt,
         "logprobs": LOGPROBS in (body.include or []) or bool(body.top_logprobs),
         "top_logprobs": body.top_logprobs,
     }
