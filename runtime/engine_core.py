@@ -271,7 +271,7 @@ class EngineCore:
                 return self._finish(req)
             return None
         self._append_token(req, token, result.logprobs[i], now)
-        if not req.finished and req.grammar is not None and self.jump_forward and not req.params.return_logprob:
+        if self._can_jump(req):
             self._jump_forward(req, now)
         if req.finished:
             return self._finish(req)
@@ -297,7 +297,7 @@ class EngineCore:
         # Computed KV: the last token and the accepted drafts (all of the output, when a stop cut it short).
         req.num_computed = min(chunk.end + len(accepted), req.total)
         self.cache.trim(req)
-        if not req.finished and req.grammar is not None and self.jump_forward and not req.params.return_logprob:
+        if self._can_jump(req):
             self._jump_forward(req, now)
         if req.finished:
             return self._finish(req)
@@ -322,6 +322,19 @@ class EngineCore:
         for (req, _), draft in zip(wants, self.drafter.propose_batch(wants), strict=True):
             req.draft_ids = grammar_cut(req.grammar, draft) if draft and req.grammar is not None else draft
             req.draft_base = req.total
+
+    def _can_jump(self, req: Req) -> bool:
+        """Whether the tokens the grammar forces may be appended without sampling: not when their logprobs are
+        asked for, nor with ``allowed_token_ids`` (a forced token outside them must fail the request, in the
+        sampler; banned words yield to a grammar that forces them, there and here alike)."""
+        p = req.params
+        return (
+            not req.finished
+            and req.grammar is not None
+            and self.jump_forward
+            and not p.return_logprob
+            and not p.allowed_token_ids
+        )
 
     def _jump_forward(self, req: Req, now: float) -> None:
         """Append the tokens the grammar forces next, without a forward pass each: their KV is computed with the
@@ -357,9 +370,10 @@ class EngineCore:
                 req.output_text = req.output_text[: cut + len(stop) if params.include_stop_str_in_output else cut]
                 req.finish_reason, req.matched_stop = FinishReason.STOP, stop
                 return
-        if n_out >= params.min_new_tokens and (
+        stop_token = n_out >= params.min_new_tokens and (
             token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
-        ):
+        )
+        if stop_token:
             req.finish_reason, req.matched_stop = FinishReason.STOP, token
         elif req.grammar is not None and req.grammar.is_terminated():
             req.finish_reason = FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
@@ -369,6 +383,10 @@ class EngineCore:
             # Characters held back waiting for the rest of a multi-byte sequence are final now.
             req.detok.flush()
             req.output_text = req.detok.text
+            if stop_token and not params.include_stop_str_in_output:
+                # As vLLM and SGLang: a stop token's own text (one not skipped as special) is not part of the
+                # answer, as a stop string is not.
+                req.output_text = req.output_text[:prev_len]
 
     def _delta(self, req: Req) -> ReqOutput | None:
         """The part of the output not sent yet; text that may still turn out to start a stop string is held."""

@@ -111,6 +111,7 @@ class Req:
         # KV tier: chain keys of the complete chunks of ``all_ids`` hashed so far (``all_ids`` only grows, so they stay
         # valid); owned by ``KVCacheManager``, which extends them instead of hashing the prompt at every admission.
         self.tier_keys: list[str] = []
+        self._salted_prompt: list[int] | None = None  # ``cache_ids`` of the prompt, with a cache_salt
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None
@@ -144,7 +145,9 @@ class Req:
         if self.params.cache_salt is None:
             return self.all_ids
         offset = salt_offset(self.params.cache_salt)
-        return [t + offset for t in self.all_ids]
+        if self._salted_prompt is None:  # the prompt never changes: moved once
+            self._salted_prompt = [t + offset for t in self.prompt_ids]
+        return self._salted_prompt + [t + offset for t in self.output_ids]
 
     @property
     def total(self) -> int:

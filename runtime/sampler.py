@@ -20,6 +20,7 @@ kept set then depends only on the row's values, never on how a sort orders ties.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -243,6 +244,8 @@ class Sampler:
         self.device = torch.device(device)
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(seed)
+        # Each request's allowed_token_ids on the device, made at its first step (gone with the request).
+        self._allowed: weakref.WeakKeyDictionary[Req, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def _seed(self, req: Req) -> int:
         """The request's stream seed (unsigned 64-bit), taken at its first draw."""
@@ -324,17 +327,20 @@ class Sampler:
     def _apply_token_filters(self, x: torch.Tensor, reqs: Sequence[Req]) -> list[str]:
         """In place on float32 ``x`` [B, V]: ``allowed_token_ids`` (every other token -inf) and ``bad_words_ids``
         (the banned tokens -inf, unless that leaves the row nothing: a grammar that allows only them decides, as
-        with min_new_tokens). Returns the rids whose allowed tokens a grammar mask left no room for."""
-        empty = []
+        with min_new_tokens). Returns the rids whose allowed tokens a grammar mask left no room for. One host
+        sync for all the rows, and none when no row bans anything or lists allowed ids."""
+        touched: list[int] = []
+        bans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row -> (banned columns, their saved logits)
         for i, r in enumerate(reqs):
             p = r.params
             if p.allowed_token_ids:
-                ids = tensor_on(p.allowed_token_ids, x.device)
+                ids = self._allowed.get(r)
+                if ids is None:
+                    ids = self._allowed[r] = tensor_on(p.allowed_token_ids, x.device)
                 keep = x[i, ids]  # (advanced indexing: a copy)
                 x[i].fill_(_NEG_INF)
                 x[i, ids] = keep
-                if bool(torch.isneginf(keep.amax())):
-                    empty.append(r.rid)
+                touched.append(i)
             if p.bad_words_ids:
                 out = r.output_ids
                 banned = [
@@ -344,10 +350,21 @@ class Sampler:
                 ]
                 if banned:
                     cols = tensor_on(banned, x.device)
-                    saved = x[i, cols]
+                    bans[i] = (cols, x[i, cols])
                     x[i, cols] = _NEG_INF
-                    if bool(torch.isneginf(x[i].amax())):
-                        x[i, cols] = saved
+                    touched.append(i)
+        if not touched:
+            return []
+        rows = sorted(set(touched))
+        dead = [rows[j] for j, d in enumerate(torch.isneginf(x[tensor_on(rows, x.device)].amax(dim=-1)).tolist()) if d]
+        empty = []
+        for i in dead:
+            if i in bans:
+                cols, saved = bans[i]
+                x[i, cols] = saved
+                if not reqs[i].params.allowed_token_ids or not bool(torch.isneginf(x[i].amax())):
+                    continue
+            empty.append(reqs[i].rid)
         return empty
 
     def argmax_only(self, reqs: Sequence[Req]) -> bool:
@@ -401,7 +418,9 @@ class Sampler:
             if empty:
                 raise NoAllowedTokenError(empty, "the grammar and allowed_token_ids")
             self._apply_penalties(x, reqs)
-            self._apply_min_new_tokens(x, reqs, masked=allowed is not None)
+            # allowed_token_ids, like a grammar, is a hard constraint: min_new_tokens yields to it.
+            hard = allowed is not None or any(p.allowed_token_ids for p in params)
+            self._apply_min_new_tokens(x, reqs, masked=hard)
 
         tokens = x.argmax(dim=-1) if any(greedy) else torch.zeros(b, dtype=torch.long, device=x.device)
         sampled = [i for i in range(b) if not greedy[i]]

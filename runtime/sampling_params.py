@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
 # Below this a temperature is greedy, as in vLLM: dividing logits by 1e-40 overflows float32 to inf (and then nan).
 MIN_TEMPERATURE = 1e-5
 # A repetition penalty divides or multiplies logits: outside this range they overflow, and no one needs it.
@@ -101,8 +102,10 @@ class SamplingParams:
         for tid in list(self.stop_token_ids) + list(self.logit_bias) + list(self.allowed_token_ids) + banned:
             if not 0 <= int(tid) < vocab_size:
                 raise ValueError(f"token id {tid} is out of range [0, {vocab_size})")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError("cache_salt must be a non-empty string")
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if any(not seq for seq in self.bad_words_ids):
             raise ValueError("bad_words_ids must be non-empty token sequences")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):

@@ -50,6 +50,8 @@ _OPENAI_PARAMS = {
     "seed": "seed",
     "stop": "stop",
     "logit_bias": "logit_bias",
+    "cache_salt": "cache_salt",
+    "bad_words_ids": "bad_words",
     "at most": "stop",
     "this request needs": "max_tokens",
 }

@@ -33,7 +33,6 @@ CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((), "start the server with --chat-template"),
     "documents": ((), "put the documents into the messages"),
     "echo": ((False,), "echo is served by /v1/completions"),
-    "return_tokens_as_token_ids": ((False,), "ask for logprobs and read token ids from /tokenize"),
     "functions": ((), "legacy function calling is not served; send tools"),
     "function_call": ((), "legacy function calling is not served; send tool_choice"),
     "guided_whitespace_pattern": ((), "JSON whitespace follows the grammar engine's rules"),

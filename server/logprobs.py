@@ -34,24 +34,30 @@ def prompt_entries(prompt_ids: Sequence[int], prompt_lps: Sequence[TokenLogprob]
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], lps: Sequence[TokenLogprob | None], names: Names, text_offset: int = 0
+    token_ids: Sequence[int],
+    lps: Sequence[TokenLogprob | None],
+    names: Names,
+    text_offset: int = 0,
+    shown: Names | None = None,
 ) -> dict[str, Any]:
     """``choice.logprobs`` of a legacy completion: parallel lists, offsets index into the choice's text.
 
-    ``top_logprobs`` maps token text to logprob and includes the chosen token, as OpenAI's does.
+    ``top_logprobs`` maps token text to logprob and includes the chosen token, as OpenAI's does. ``shown`` names
+    the tokens in the lists when it is not their text (``"token_id:<id>"``); offsets still count the text.
     """
+    shown = shown or names
     tokens, token_lps, tops, offsets = [], [], [], []
     for token_id, lp in zip(token_ids, lps):
-        text = names(token_id)
+        text = shown(token_id)
         tokens.append(text)
         offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset += len(names(token_id))
         if lp is None:
             token_lps.append(None)
             tops.append(None)
             continue
         token_lps.append(lp.logprob)
-        top = {names(t): v for t, v in lp.top}
+        top = {shown(t): v for t, v in lp.top}
         top.setdefault(text, lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -36,6 +36,7 @@ from radixserve.server.logprobs import chat_logprobs
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
+from radixserve.server.tokens import TokenIdNames, TokenNames
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -70,7 +71,7 @@ def _choice(choice: ChatChoice, body: ChatCompletionRequest, state: ServerState)
     return {
         "index": choice.index,
         "message": message,
-        "logprobs": chat_logprobs(res.logprobs, state.token_names) if body.logprobs else None,
+        "logprobs": chat_logprobs(res.logprobs, _names(state, body)) if body.logprobs else None,
         "finish_reason": choice.finish_reason,
         "matched_stop": res.matched_stop,
     }
@@ -83,8 +84,7 @@ async def _stream(
     finish_reason; then the usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive. A
     forced tool call streams tool-call deltas instead of content: index, id and name first, then argument
     fragments."""
-    names = state.token_names
-    assert names is not None
+    names = _names(state, body)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
         return stream_chunk(
@@ -115,3 +115,9 @@ async def _stream(
         yield DONE
     finally:
         run.group.close()  # also when the client left before the first event
+
+
+def _names(state: ServerState, body: ChatCompletionRequest) -> TokenNames | TokenIdNames:
+    """How logprobs name tokens: by their text, or ``"token_id:<id>"`` (``return_tokens_as_token_ids``)."""
+    assert state.token_names is not None
+    return TokenIdNames(state.token_names) if body.return_tokens_as_token_ids else state.token_names

@@ -157,8 +157,9 @@ def openai_params(
 
 def _allowed_token_ids(ids: list[int] | None) -> list[int]:
     if ids is not None and not ids:
-        raise bad_request("allowed_token_ids must list at least one token id (leave it out to allow any)",
-                          "allowed_token_ids")  # fmt: skip
+        raise bad_request(
+            "allowed_token_ids must list at least one token id (leave it out to allow any)", "allowed_token_ids"
+        )
     return sorted(set(ids or ()))
 
 
@@ -173,11 +174,11 @@ def bad_words_ids(words: list[str] | None, tokenizer: Any) -> list[list[int]]:
     for word in words:
         if not word.strip():
             raise bad_request("bad_words must be non-empty words", "bad_words")
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = encode(tokenizer, text, add_special_tokens=False)
-            if len(ids) > MAX_BAD_WORD_TOKENS:
-                raise bad_request(f"a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens long", "bad_words")
-            if ids and ids not in out:
+        first = encode(tokenizer, word.lstrip(), add_special_tokens=False)
+        spaced = encode(tokenizer, " " + word.lstrip(), add_special_tokens=False)
+        # As vLLM: the spaced form only when it is a word of its own (as many tokens, another first one).
+        for ids in (first, spaced) if len(spaced) == len(first) and spaced[0] != first[0] else (first,):
+            if ids not in out:
                 out.append(ids)
     return out
 
@@ -231,6 +232,7 @@ def native_params(
         params.logprob_start_len = logprob_start_len
         params.constraint = constraint.spec if constraint is not None else None
         _check_types(params)
+        params.allowed_token_ids = sorted(set(params.allowed_token_ids))
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None
     _validate(params, vocab_size, native=True)
@@ -287,6 +289,15 @@ def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
         raise bad_request(
             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(params.stop_token_ids)}",
             prefix + "stop_token_ids",
+        )
+    if len(params.allowed_token_ids) > vocab_size:
+        raise bad_request(
+            f"allowed_token_ids lists more than the {vocab_size} tokens there are", prefix + "allowed_token_ids"
+        )
+    if len(params.bad_words_ids) > 2 * MAX_BAD_WORDS or any(len(q) > MAX_BAD_WORD_TOKENS for q in params.bad_words_ids):
+        raise bad_request(
+            f"at most {MAX_BAD_WORDS} bad words of at most {MAX_BAD_WORD_TOKENS} tokens each are allowed",
+            prefix + ("bad_words_ids" if native else "bad_words"),
         )
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise bad_request(

@@ -150,6 +150,7 @@ class _SamplingFields(_NullIsDefault):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="Keep only the prompt's last N tokens (-1: as many as the context allows)."
     )
+    return_tokens_as_token_ids: bool = Field(False, description='Logprobs name tokens "token_id:<id>".')
     cache_salt: str | None = Field(
         None, min_length=1, description="Cached prefixes are shared only among requests with the same salt."
     )

@@ -58,3 +58,18 @@ def _vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
         return raw_token_bytes(backend)[0]
     except TokenizerError:
         return []
+
+
+class TokenIdNames:
+    """``TokenNames``' interface naming each token ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): a
+    client that must know the exact tokens (several can decode to the same text) reads them from logprobs.
+    ``bytes_of`` stays the token's bytes."""
+
+    def __init__(self, names: TokenNames) -> None:
+        self.names = names
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        return self.names.bytes_of(token_id)

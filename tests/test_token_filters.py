@@ -38,6 +38,15 @@ def test_allowed_token_ids_that_a_grammar_forbids_fail_the_request() -> None:
         make_sampler().sample(rand_logits(1, seed=2), [make_req("r", allowed_token_ids=[3])], grammar)
 
 
+def test_min_tokens_yield_to_allowed_token_ids() -> None:
+    """Only EOS allowed and min_tokens unmet: EOS, as with a grammar (the row was left empty: a token outside the
+    allowed ones greedily, an engine fault when sampled)."""
+    s = make_sampler()
+    for temperature in (0.0, 1.0):
+        req = make_req("r", temperature=temperature, seed=1, allowed_token_ids=[EOS], min_new_tokens=2)
+        assert s.sample(rand_logits(1, seed=3), [req]).token_ids == [EOS]
+
+
 def test_bad_words_ban_the_last_token_after_the_rest() -> None:
     logits = torch.zeros(1, V)
     logits[0, 9], logits[0, 8] = 10.0, 9.0
@@ -90,6 +99,35 @@ def test_the_engine_applies_the_filters(engine: Engine) -> None:
     assert set(allowed["output_ids"]) <= set(ids[:4])
 
 
+def test_a_stop_token_text_is_cut_unless_asked_for(engine: Engine) -> None:
+    """As vLLM and SGLang: the text of the token that stopped the answer (a stop_token_ids entry, or EOS) is not in
+    the answer, unless include_stop_str_in_output / no_stop_trim."""
+    prompt = "Once upon a time, in a land far away, there lived"
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    ids = free["output_ids"]
+    stop = next(t for t in ids[2:] if engine.tokenizer.decode([t]).strip())  # a token with visible text
+    cut = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop]))
+    kept = engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=[stop],
+                                                  include_stop_str_in_output=True))  # fmt: skip
+    assert cut["output_ids"] == kept["output_ids"] and cut["output_ids"][-1] == stop
+    assert kept["text"] == engine.tokenizer.decode(kept["output_ids"])
+    assert cut["text"] == engine.tokenizer.decode(cut["output_ids"][:-1])
+
+
+def test_a_grammar_forcing_a_token_outside_allowed_token_ids_fails_the_request(engine: Engine) -> None:
+    """Jump-forward appends forced tokens without sampling: it is off for such requests, so the sampler's check
+    fails the request instead of letting the forced token through."""
+    from radixserve.constrained import ConstraintSpec
+
+    forced = engine.tokenizer.encode("hello world", add_special_tokens=False)
+    other = next(t for t in range(3, 200) if t not in forced)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, allowed_token_ids=[other],
+                            constraint=ConstraintSpec("regex", "hello world"))  # fmt: skip
+    out = engine.generate("Say it:", params)
+    assert out["meta_info"]["finish_reason"] == "error" and "allowed_token_ids" in out["meta_info"]["error"]
+    assert not set(out["output_ids"]) - {other}
+
+
 # ------------------------------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def server(engine: Engine) -> Iterator[ServerThread]:
@@ -112,22 +150,27 @@ def test_vllm_filter_fields_over_http(client: openai.OpenAI, server: ServerThrea
         **kw, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True}
     )
     assert "".join(c.choices[0].text for c in streamed) == kept.choices[0].text
-    # bad_words: the word's tokens never come out, at the start of the text or after a space.
-    word = free.split()[1] if len(free.split()) > 1 else free.strip()[:3]
-    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]}).choices[0].text
-    assert banned != free
+    # bad_words: the word's tokens never come out (read as ids: return_tokens_as_token_ids).
+    as_ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
     tokenizer = engine.tokenizer
+    first = client.completions.create(**kw, logprobs=0, extra_body=as_ids).choices[0]
+    out_ids = [int(t.removeprefix("token_id:")) for t in first.logprobs.tokens]
+    assert tokenizer.decode(out_ids) == first.text == free
+    word = tokenizer.decode(out_ids[1:3]).strip()
+    banned = client.completions.create(**kw, logprobs=0, extra_body={**as_ids, "bad_words": [word]}).choices[0]
+    got = [int(t.removeprefix("token_id:")) for t in banned.logprobs.tokens]
     for variant in (word, " " + word):
         seq = tokenizer.encode(variant, add_special_tokens=False)
-        out = tokenizer.encode(banned, add_special_tokens=False)
-        assert all(out[i : i + len(seq)] != seq for i in range(len(out))), (variant, banned)
-    # allowed_token_ids bounds a chat answer too; truncate_prompt_tokens keeps the prompt's tail.
+        assert all(got[i : i + len(seq)] != seq for i in range(len(got))), (variant, got)
+    # allowed_token_ids bounds a chat answer too (its logprobs name the tokens by id).
     allowed = tokenizer.encode(" yes no", add_special_tokens=False)
     chat = client.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=1,
-        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=1, logprobs=True, top_logprobs=2,
+        extra_body={"allowed_token_ids": allowed, **as_ids},
     )  # fmt: skip
-    assert set(tokenizer.encode(chat.choices[0].message.content, add_special_tokens=False)) <= set(allowed)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 8 and {int(e.token.removeprefix("token_id:")) for e in content} <= set(allowed)
+    assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)
     cut = client.completions.create(**kw, extra_body={"truncate_prompt_tokens": 2})
     assert cut.usage.prompt_tokens == 2
     chat_cut = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
@@ -147,8 +190,24 @@ def test_vllm_filter_fields_over_http(client: openai.OpenAI, server: ServerThrea
         ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"cache_salt": "s" * 1025}, "cache_salt"),
     ],
 )
 def test_bad_filter_values_are_a_400_naming_the_field(server: ServerThread, extra: dict, param: str) -> None:
     body = {"model": MODEL, "messages": USER, "max_tokens": 2, **extra}
     assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60), 400, param=param)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"allowed_token_ids": list(range(100_000))}, "sampling_params.allowed_token_ids"),
+        ({"bad_words_ids": [[1]] * 1000}, "sampling_params.bad_words_ids"),
+        ({"bad_words_ids": [[1, "x"]]}, "sampling_params"),
+    ],
+)
+def test_native_filters_are_bounded(server: ServerThread, sampling: dict, param: str) -> None:
+    """/generate takes the fields as token ids: their sizes are bounded as the OpenAI routes bound words (a
+    step's work per request must stay small)."""
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2, **sampling}}
+    assert_error(httpx.post(server.url + "/generate", json=body, timeout=60), 400, param=param)
