@@ -109,7 +109,12 @@ class EngineConfig:
     chunked_prefill_size: int = _opt(2048, "Most prompt tokens computed in one step (the prefill budget).")
     max_running_requests: int = _opt(64, "Most requests in one batch.")
     max_queued_requests: int = _opt(1024, "Most requests waiting for admission; beyond it new ones are refused.")
-    schedule_policy: str = _opt("lpm", "Order of admission: longest cached prefix first, or arrival.", ("lpm", "fcfs"))
+    schedule_policy: str = _opt(
+        "lpm",
+        "Order of admission: longest cached prefix first, arrival, or the requests' priority (lower first; running "
+        "requests of a worse priority make room for a better one).",
+        ("lpm", "fcfs", "priority"),
+    )
     disable_radix_cache: bool = _opt(False, "Turn off prefix caching (for A/B comparisons).")
     max_context_len: int = _opt(
         0,
@@ -199,8 +204,8 @@ class EngineConfig:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {self.max_queued_requests}")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise ValueError(f"--schedule-policy must be lpm or fcfs, got {self.schedule_policy!r}")
+        if self.schedule_policy not in ("lpm", "fcfs", "priority"):
+            raise ValueError(f"--schedule-policy must be lpm, fcfs or priority, got {self.schedule_policy!r}")
         if self.max_context_len < 0:
             raise ValueError("--max-context-len must be >= 0")
         if self.speculative_algorithm not in ("", "ngram", "draft"):

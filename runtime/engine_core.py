@@ -72,7 +72,9 @@ class EngineCore:
     # --- admission ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params) -> None:
         """Raise ``ValueError`` if the request can never be served; cheap, safe to call from any thread."""
-        validate_request(prompt_ids, params, self.vocab_size, self.max_context_len, self.cache.num_slots)
+        validate_request(
+            prompt_ids, params, self.vocab_size, self.max_context_len, self.cache.num_slots, self.config.schedule_policy
+        )
 
     def add(self, req: Req) -> None:
         self.validate(req.prompt_ids, req.params)

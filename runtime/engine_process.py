@@ -156,7 +156,9 @@ class EngineProcess(EngineAPI):
         if not self.alive:
             raise EngineDeadError(self.error or "the engine has shut down")
         prompt = [int(t) for t in prompt_ids]
-        validate_request(prompt, params, self.vocab_size, self.max_context_len, self.kv_total_tokens)
+        validate_request(
+            prompt, params, self.vocab_size, self.max_context_len, self.kv_total_tokens, self.config.schedule_policy
+        )
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
             if rid in self._sinks:

@@ -51,6 +51,8 @@ class SamplingParams:
     # vLLM's bad_words as token sequences: a sequence's last token is not sampled where the output ends with the
     # tokens before it (a one-token sequence: never). The server tokenizes the words.
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's priority, read by ``--schedule-policy priority`` (lower first).
+    priority: int = 0
     # vLLM's cache_salt: requests share cached prefixes (and their timing) only with requests of the same salt.
     cache_salt: str | None = None
     # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.

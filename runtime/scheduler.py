@@ -4,6 +4,11 @@ The scheduler owns the waiting queue, the running set and every request's slot l
 one ``BatchPlan`` per step. One step is: make room for every decode (evict, then retract the requests with the
 least progress), continue partial prefills, then admit waiting requests while the prefill token budget, the
 batch size cap and the KV reservation allow.
+
+With ``--schedule-policy priority`` (vLLM's): a request's ``priority`` orders admission (lower first; longest
+cached prefix among equals), retraction takes the worst priority first, and before each step running requests of
+a worse priority than the best waiting one go back to the queue while that one could not be admitted (the
+running cap, or too little KV). Under the other policies every priority is 0, and the same rules reduce to theirs.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ MAX_RESERVED_NEW_TOKENS = 4096
 # Below this many shared tokens, attending to a cached prefix once per group of decode rows (cascade attention)
 # costs more than it saves.
 MIN_SHARED_PREFIX = 64
+
+
+def _retraction_order(req: Req) -> tuple[int, int, float]:
+    """The request retracted first has the largest key: the worst priority, then the least progress, then the
+    latest arrival."""
+    return (req.params.priority, -len(req.output_ids), req.arrival_time)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -84,6 +95,7 @@ class Scheduler:
 
     # --- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> BatchPlan | None:
+        self._preempt_for_priority()
         decodes = self._schedule_decodes()
         budget = self.config.chunked_prefill_size
         extends: list[ScheduledChunk] = []
@@ -184,12 +196,33 @@ class Scheduler:
         return failed
 
     def _retract_one(self) -> bool:
-        """Send the running request with the least progress back to the queue, its KV cached for the resume."""
+        """Send the running request of the worst priority, and then the least progress, back to the queue, its KV
+        cached for the resume."""
         # A lone request always fits (the engine refuses anything larger than the pool), so retracting it
         # could only loop; running out with one request left means the accounting is broken.
         if len(self.running) <= 1:
             return False
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival_time))
+        self._retract(max(self.running, key=_retraction_order))
+        return True
+
+    def _preempt_for_priority(self) -> None:
+        """Retract running requests of a worse priority than the best waiting one while it could not be admitted:
+        the running cap is reached, or the KV it needs is not there (see the module docstring)."""
+        if self.config.schedule_policy != "priority" or not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=lambda r: r.params.priority)
+        while self.running:
+            victim = max(self.running, key=_retraction_order)
+            if victim.params.priority <= best.params.priority:
+                return
+            room = len(self.running) < self.config.max_running_requests and (
+                self.cache.available() - self._reserved() >= self._future_need(best)
+            )
+            if room:
+                return
+            self._retract(victim)
+
+    def _retract(self, victim: Req) -> None:
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_retractions += 1
@@ -197,7 +230,6 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
         logger.info("retracted %s (%d tokens generated) to free KV", victim.rid, len(victim.output_ids))
-        return True
 
     def _extend_chunk(self, req: Req, budget: int) -> ScheduledChunk | None:
         n = min(req.total - req.num_computed, budget)
@@ -220,10 +252,14 @@ class Scheduler:
 
     def _ordered_waiting(self) -> list[Req]:
         waiting = list(self.waiting)
-        if self.config.schedule_policy == "lpm" and self.cache.tree is not None and len(waiting) <= LPM_MAX_QUEUE:
+        policy = self.config.schedule_policy
+        scores: dict[int, int] = {}
+        if policy in ("lpm", "priority") and self.cache.tree is not None and len(waiting) <= LPM_MAX_QUEUE:
             scores = {id(r): self.cache.peek_prefix_len(r.cache_ids) for r in waiting}
-            # Retracted requests resume first; then longest cached prefix; stable on arrival order.
-            waiting.sort(key=lambda r: (r.num_retractions == 0, -scores[id(r)]))
+        if scores or policy == "priority":
+            # Best priority first; then retracted requests resume first; then longest cached prefix; stable on
+            # arrival order.
+            waiting.sort(key=lambda r: (r.params.priority, r.num_retractions == 0, -scores.get(id(r), 0)))
         return waiting
 
     def _admit(self, budget: int, extends: list[ScheduledChunk]) -> list[ScheduledChunk]:

@@ -7,10 +7,18 @@ from radixserve.runtime.sampling_params import SamplingParams
 
 
 def validate_request(
-    prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_context_len: int, kv_slots: int
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_context_len: int,
+    kv_slots: int,
+    schedule_policy: str = "lpm",
 ) -> None:
     """Raise ``ValueError`` (a message fit for an API client) if the request can never be served."""
     params.validate(vocab_size)
+    if params.priority != 0 and schedule_policy != "priority":
+        # As vLLM: a priority that nothing reads would be a promise the server does not keep.
+        raise ValueError("priority needs a server started with --schedule-policy priority; leave it out (or 0)")
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)

@@ -33,6 +33,7 @@ class MessagesRequest(_NullIsDefault):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = None  # an extension, as in the chat request
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes cached per salt
+    priority: int | None = None  # vLLM's, read by --schedule-policy priority
     stream: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
@@ -249,6 +250,7 @@ def chat_request(body: MessagesRequest | CountTokensRequest, stream: bool = Fals
             "top_k": body.top_k,
             "seed": body.seed,
             "cache_salt": body.cache_salt,
+            "priority": body.priority,
             "response_format": _response_format(body.output_config),
         }
     try:

@@ -51,6 +51,7 @@ _OPENAI_PARAMS = {
     "stop": "stop",
     "logit_bias": "logit_bias",
     "cache_salt": "cache_salt",
+    "priority": "priority",
     "bad_words_ids": "bad_words",
     "at most": "stop",
     "this request needs": "max_tokens",

@@ -61,7 +61,6 @@ HARMLESS = frozenset(
         "safety_identifier",
         "prompt_cache_key",
         "guided_decoding_backend",
-        "priority",
         "kv_transfer_params",
         "vllm_xargs",
         "request_id",

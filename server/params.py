@@ -146,6 +146,7 @@ def openai_params(
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         bad_words_ids=bad_words_ids(req.bad_words, tokenizer),
         cache_salt=req.cache_salt,
+        priority=req.priority,
         constraint=constraint,
     )
     _validate(params, vocab_size, native=False)

@@ -151,6 +151,7 @@ class _SamplingFields(_NullIsDefault):
         None, ge=-1, description="Keep only the prompt's last N tokens (-1: as many as the context allows)."
     )
     return_tokens_as_token_ids: bool = Field(False, description='Logprobs name tokens "token_id:<id>".')
+    priority: int = Field(0, description="With --schedule-policy priority: lower runs first.")
     cache_salt: str | None = Field(
         None, min_length=1, description="Cached prefixes are shared only among requests with the same salt."
     )

@@ -57,6 +57,7 @@ class ResponsesRequest(_NullIsDefault):
     repetition_penalty: float = 1.0
     max_thinking_tokens: int | None = Field(None, ge=1)
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefixes cached per salt
+    priority: int | None = None  # vLLM's, read by --schedule-policy priority
 
 
 def _text(content: Any, at: str) -> str:
@@ -198,6 +199,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
         "repetition_penalty": body.repetition_penalty,
         "max_thinking_tokens": body.max_thinking_tokens,
         "cache_salt": body.cache_salt,
+        "priority": body.priority,
         "logprobs": LOGPROBS in (body.include or []) or bool(body.top_logprobs),
         "top_logprobs": body.top_logprobs,
     }

@@ -85,3 +85,41 @@ def test_drafts_proposed_for_another_state_of_the_sequence_are_dropped() -> None
     req.draft_ids, req.draft_base = [1, 2], req.total - 1  # proposed before the sequence moved on
     plan = sched.schedule()
     assert plan is not None and plan.chunks[0].draft == () and plan.chunks[0].is_decode
+
+
+def test_priority_orders_admission_and_makes_room() -> None:
+    """--schedule-policy priority (vLLM's): the lowest value is admitted first, and running requests of a worse
+    priority go back to the queue while a better one cannot be admitted; equal priorities never preempt."""
+    sched = _scheduler(4096, schedule_policy="priority", max_running_requests=2)
+    for rid, prio in (("low-a", 5), ("low-b", 5), ("mid", 1)):
+        sched.add(Req(rid, _prompt(len(sched.waiting), 20), SamplingParams(max_new_tokens=50, priority=prio)))
+    plan = sched.schedule()
+    assert plan is not None and [c.req.rid for c in plan.chunks] == ["mid", "low-a"]
+    _complete(plan)
+    sched.add(Req("urgent", _prompt(9, 20), SamplingParams(max_new_tokens=50, priority=0)))
+    plan = sched.schedule()
+    assert plan is not None
+    running = {r.rid for r in sched.running}
+    assert running == {"mid", "urgent"}, running  # low-a made room (the worst priority), mid kept its place
+    assert [r.rid for r in sched.waiting][:1] == ["low-a"] and sched.num_retractions == 1
+    sched.add(Req("also-0", _prompt(10, 20), SamplingParams(max_new_tokens=50, priority=0)))
+    sched.schedule()
+    assert {r.rid for r in sched.running} == {"urgent", "also-0"}  # mid (1) made room; urgent (0) did not
+    sched.cache.check(sched.holders())
+
+
+def test_retraction_takes_the_worst_priority_first() -> None:
+    sched = _scheduler(4096, schedule_policy="priority")
+    reqs = [Req(f"r{p}", _prompt(p, 20), SamplingParams(max_new_tokens=50, priority=p)) for p in (3, 0, 7, 1)]
+    for req in reqs:
+        sched.add(req)
+    _complete(sched.schedule())
+    reqs[2].output_ids = [1] * 10  # progress does not protect a worse priority
+    assert sched._retract_one() and [r.rid for r in sched.waiting] == ["r7"]
+    # Under the other policies every priority is 0: the least progress goes first, as before.
+    lpm = _scheduler(4096)
+    for i in range(3):
+        lpm.add(Req(f"q{i}", _prompt(i, 20), SamplingParams(max_new_tokens=50)))
+    _complete(lpm.schedule())
+    lpm.running[0].output_ids, lpm.running[2].output_ids = [1, 1], [1]
+    assert lpm._retract_one() and [r.rid for r in lpm.waiting] == ["q1"]

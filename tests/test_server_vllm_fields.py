@@ -149,3 +149,31 @@ def test_harmless_and_unknown_fields_are_served_and_the_unknown_logged(
     assert not any("user" in line.split("field(s)")[1] for line in lines), lines
     warnings = [r for r in caplog.records if "frobnicate_level" in r.getMessage() and r.levelno >= logging.WARNING]
     assert len(warnings) == 1, "an unknown field is a warning once, then a debug line"
+
+
+def test_priority_needs_the_priority_policy(http: httpx.Client) -> None:
+    """As vLLM: a priority that nothing would read is refused (this server runs the default policy); 0 is fine."""
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2}
+    assert http.post("/v1/chat/completions", json={**body, "priority": 0}).status_code == 200
+    err = assert_error(http.post("/v1/chat/completions", json={**body, "priority": 3}), 400, param="priority")
+    assert "--schedule-policy priority" in err["message"]
+    responses = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "priority": 3}
+    assert_error(http.post("/v1/responses", json=responses), 400, param="priority")
+    messages = {"model": MODEL, "messages": USER, "max_tokens": 2, "priority": 3}
+    resp = http.post("/v1/messages", json=messages)
+    assert resp.status_code == 400 and "--schedule-policy priority" in resp.json()["error"]["message"]
+
+
+def test_priority_is_served_with_the_priority_policy(tiny_model_dir: Path) -> None:
+    engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=2048, schedule_policy="priority")
+    try:
+        with ServerThread(create_app(engine, ServerConfig(served_model_name=MODEL))) as srv:
+            for path, body in (
+                ("/v1/chat/completions", {"messages": USER}),
+                ("/v1/completions", {"prompt": "hi"}),
+                ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+            ):
+                resp = httpx.post(srv.url + path, json={"model": MODEL, "max_tokens": 2, "priority": -2, **body})
+                assert resp.status_code == 200, (path, resp.text)
+    finally:
+        engine.shutdown()
