@@ -39,6 +39,10 @@ SAMPLING_KEYS: dict[str, str] = {
             "presence_penalty",
             "seed",
             "ignore_eos",
+            "include_stop_str_in_output",
+            "allowed_token_ids",
+            "cache_salt",
+            "priority",
         )
     },
 }

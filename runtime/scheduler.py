@@ -207,28 +207,34 @@ class Scheduler:
 
     def _preempt_for_priority(self) -> None:
         """Retract running requests of a worse priority than the best waiting one while it could not be admitted:
-        the running cap is reached, or the KV it needs is not there (see the module docstring)."""
+        the running cap is reached, or the KV it needs is not there (see the module docstring). None is retracted
+        when all of them together would not make that room."""
         if self.config.schedule_policy != "priority" or not self.waiting or not self.running:
             return
         best = min(self.waiting, key=lambda r: r.params.priority)
-        while self.running:
-            victim = max(self.running, key=_retraction_order)
-            if victim.params.priority <= best.params.priority:
-                return
-            room = len(self.running) < self.config.max_running_requests and (
-                self.cache.available() - self._reserved() >= self._future_need(best)
-            )
-            if room:
-                return
-            self._retract(victim)
+        worse = sorted((r for r in self.running if r.params.priority > best.params.priority), key=_retraction_order)
+        need = self._future_need(best)
 
-    def _retract(self, victim: Req) -> None:
+        def room(freed: list[Req]) -> bool:  # (their KV goes to the tree or the free list: available either way)
+            cap = len(self.running) - len(freed) < self.config.max_running_requests
+            kv = self.cache.available() + sum(len(r.slots) for r in freed)
+            return cap and kv - (self._reserved() - sum(self._future_need(r) for r in freed)) >= need
+
+        if not worse or room([]) or not room(worse):
+            return
+        while worse and not room([]):
+            self._retract(worse.pop(), tighten=False)  # the ratio is the admission's estimate: left as it was
+
+    def _retract(self, victim: Req, tighten: bool = True) -> None:
+        """Send ``victim`` back to the head of the queue, its KV cached for the resume. ``tighten``: a retraction
+        for want of KV says the reservation ratio was too low."""
         self.running.remove(victim)
         self.cache.release(victim)
         victim.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(victim)
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+        if tighten:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
         logger.info("retracted %s (%d tokens generated) to free KV", victim.rid, len(victim.output_ids))
 
     def _extend_chunk(self, req: Req, budget: int) -> ScheduledChunk | None:

@@ -20,6 +20,7 @@ from radixserve.server.errors import APIError
 
 logger = logging.getLogger("radixserve.server")
 
+_CHAT_ONLY = "it is served by /v1/chat/completions and /v1/completions; /generate takes token ids in sampling_params"
 # Field -> (values that match what this server does anyway, what to do instead).
 CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not served; sample n choices instead"),
@@ -28,6 +29,12 @@ CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "early_stopping": ((False,), "beam search is not served"),
     "logits_processors": (([],), "custom logits processors are not served; use a constraint or logit_bias"),
     "prompt_logprobs": ((), "use /generate with logprob_start_len to get prompt log-probabilities"),
+    # Served by /v1/chat/completions and /v1/completions (fields there, so never extras); elsewhere refused.
+    "include_stop_str_in_output": ((False,), _CHAT_ONLY),
+    "allowed_token_ids": ((None,), _CHAT_ONLY),
+    "bad_words": ((None, []), _CHAT_ONLY),
+    "truncate_prompt_tokens": ((None,), _CHAT_ONLY),
+    "return_tokens_as_token_ids": ((False,), _CHAT_ONLY),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer does by default"),
     "add_special_tokens": ((False,), "put the special tokens into the prompt text"),
     "chat_template": ((), "start the server with --chat-template"),

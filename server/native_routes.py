@@ -117,6 +117,7 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep):
             logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
             vocab_size=engine.vocab_size,
             defaults=state.sampling_defaults,
+            priority=body.priority,
         )
         for i in range(len(prompts))
     ]

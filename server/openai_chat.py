@@ -120,4 +120,4 @@ async def _stream(
 def _names(state: ServerState, body: ChatCompletionRequest) -> TokenNames | TokenIdNames:
     """How logprobs name tokens: by their text, or ``"token_id:<id>"`` (``return_tokens_as_token_ids``)."""
     assert state.token_names is not None
-    return TokenIdNames(state.token_names) if body.return_tokens_as_token_ids else state.token_names
+    return TokenIdNames() if body.return_tokens_as_token_ids else state.token_names

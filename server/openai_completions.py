@@ -152,7 +152,7 @@ def _choice(
         if body.echo:
             tokens = prompt_ids + tokens
             lps = prompt_entries(prompt_ids, res.prompt_logprobs) + lps
-        logprobs = completion_logprobs(tokens, lps, state.token_names, shown=_shown(body, state))
+        logprobs = completion_logprobs(tokens, lps, state.token_names, shown=_shown(body))
     return {
         "index": index,
         "text": text,
@@ -189,7 +189,7 @@ async def _stream(
             reason = finish_reason(out.finish_reason, out.error, out.error_code) if out.finished else None
             lps = None
             if body.logprobs is not None and out.logprobs:
-                lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i], _shown(body, state))
+                lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i], _shown(body))
             offsets[i] += len(out.text)
             if out.text or lps or out.finished:
                 yield chunk([{"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}])
@@ -202,7 +202,6 @@ async def _stream(
         group.close()
 
 
-def _shown(body: CompletionRequest, state: ServerState) -> TokenIdNames | None:
+def _shown(body: CompletionRequest) -> TokenIdNames | None:
     """``"token_id:<id>"`` names for the logprobs' tokens (``return_tokens_as_token_ids``), else their text."""
-    assert state.token_names is not None
-    return TokenIdNames(state.token_names) if body.return_tokens_as_token_ids else None
+    return TokenIdNames() if body.return_tokens_as_token_ids else None

@@ -205,6 +205,7 @@ def native_params(
     logprob_start_len: int,
     vocab_size: int,
     defaults: dict[str, Any] | None = None,
+    priority: int | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` from an SGLang-style ``sampling_params`` dict; unknown keys are a 400, not ignored,
     because a misspelt sampling parameter silently changes what is generated. The constraint fields (``regex``,
@@ -231,6 +232,8 @@ def native_params(
         params.return_logprob = return_logprob
         params.top_logprobs_num = top_logprobs_num
         params.logprob_start_len = logprob_start_len
+        if priority is not None:  # SGLang sends it beside sampling_params (the request's, not a sampling one)
+            params.priority = priority
         params.constraint = constraint.spec if constraint is not None else None
         _check_types(params)
         params.allowed_token_ids = sorted(set(params.allowed_token_ids))
@@ -290,10 +293,6 @@ def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
         raise bad_request(
             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {len(params.stop_token_ids)}",
             prefix + "stop_token_ids",
-        )
-    if len(params.allowed_token_ids) > vocab_size:
-        raise bad_request(
-            f"allowed_token_ids lists more than the {vocab_size} tokens there are", prefix + "allowed_token_ids"
         )
     if len(params.bad_words_ids) > 2 * MAX_BAD_WORDS or any(len(q) > MAX_BAD_WORD_TOKENS for q in params.bad_words_ids):
         raise bad_request(

@@ -220,6 +220,7 @@ class GenerateRequest(_NullIsDefault):
     routing_text: str | None = Field(
         None, description="Not read here: the text a router in front routes an input_ids request by (no tokenizer)."
     )
+    priority: int | None = Field(None, description="With --schedule-policy priority: lower runs first.")
 
 
 class AbortRequest(_Lenient):

@@ -62,14 +62,11 @@ def _vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
 
 class TokenIdNames:
     """``TokenNames``' interface naming each token ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``): a
-    client that must know the exact tokens (several can decode to the same text) reads them from logprobs.
-    ``bytes_of`` stays the token's bytes."""
-
-    def __init__(self, names: TokenNames) -> None:
-        self.names = names
+    client that must know the exact tokens (several can decode to the same text) reads them from logprobs. As in
+    vLLM, ``bytes`` are those of that name."""
 
     def __call__(self, token_id: int) -> str:
         return f"token_id:{token_id}"
 
     def bytes_of(self, token_id: int) -> list[int]:
-        return self.names.bytes_of(token_id)
+        return list(self(token_id).encode())

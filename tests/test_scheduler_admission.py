@@ -123,3 +123,25 @@ def test_retraction_takes_the_worst_priority_first() -> None:
     _complete(lpm.schedule())
     lpm.running[0].output_ids, lpm.running[2].output_ids = [1, 1], [1]
     assert lpm._retract_one() and [r.rid for r in lpm.waiting] == ["q1"]
+
+
+def test_priority_preemption_retracts_no_more_than_it_needs() -> None:
+    """One slot short at the running cap: one retraction, and the admission ratio is left as it was (raising it
+    per retraction made every next one look necessary: 11 of 30 requests went for a place that one freed). None
+    at all when every worse request together would not make the room."""
+    sched = _scheduler(8192, schedule_policy="priority", max_running_requests=6)
+    for i in range(6):
+        sched.add(Req(f"low{i}", _prompt(i, 20), SamplingParams(max_new_tokens=50, priority=5)))
+    _complete(sched.schedule())
+    ratio = sched.new_token_ratio
+    sched.add(Req("urgent", _prompt(7, 20), SamplingParams(max_new_tokens=50, priority=0)))
+    sched.schedule()
+    assert sched.num_retractions == 1 and "urgent" in {r.rid for r in sched.running}
+    assert sched.new_token_ratio <= ratio
+    tight = _scheduler(1000, schedule_policy="priority", chunked_prefill_size=1024)
+    tight.add(Req("big-0", _prompt(0, 600), SamplingParams(max_new_tokens=10, priority=0)))
+    tight.add(Req("small-5", _prompt(1, 100), SamplingParams(max_new_tokens=10, priority=5)))
+    _complete(tight.schedule())
+    tight.add(Req("mid-1", _prompt(2, 500), SamplingParams(max_new_tokens=10, priority=1)))
+    tight.schedule()
+    assert tight.num_retractions == 0 and {r.rid for r in tight.running} == {"big-0", "small-5"}
