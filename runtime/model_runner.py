@@ -17,8 +17,9 @@ from radixserve.runtime.batch import BatchPlan, Failure, StepResult
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.greedy import finite_rows
 from radixserve.runtime.kv_pool import KVPool
+from radixserve.runtime.logprobs import token_logprobs
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
-from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler, token_logprobs
+from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler
 from radixserve.runtime.step_layout import StepRow, lay_out
 from radixserve.runtime.threads import StepThreads
 from radixserve.runtime.transfer import tensor_on
@@ -304,4 +305,4 @@ class ModelRunner:
         rows = hidden[lo - chunk.start : hi - chunk.start]
         logits = self.model.compute_logits(rows).float()
         targets = self._tensor(req.prompt_ids[lo + 1 : hi + 1])
-        return token_logprobs(logits, targets, req.params.top_logprobs_num)
+        return token_logprobs(logits, targets, req.params.top_logprobs_num, ranks=True)

@@ -44,6 +44,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + the tokens scored higher; given for the prompt's tokens
 
 
 # Token ids are below this; salted cache ids (``Req.cache_ids``) are at or above it.

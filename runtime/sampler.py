@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.runtime.logprobs import token_logprobs
 from radixserve.runtime.request import Req, TokenLogprob
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.runtime.transfer import tensor_on, to_device
 
-# Rows per chunk in ``token_logprobs``, sized so a float32 copy of one chunk stays near 256 MiB.
-_LOGPROB_CHUNK_ELEMS = 1 << 26
 # top_k / top_p first look at this many best candidates; rows whose cut lies further down get a full sort.
 TOP_WINDOW = 256
 _NEG_INF = float("-inf")
@@ -57,34 +56,6 @@ class NonFiniteLogitsError(ValueError):
 class SampleOutput:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # per row; None unless req.params.return_logprob
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> list[TokenLogprob]:
-    """``log_softmax(logits)[i, targets[i]]`` and the ``top_n`` best alternatives per row, sorted descending.
-
-    Batched over rows; long inputs (prompt logprobs) are processed in row chunks so the float32 working copy
-    stays bounded. ``logits`` is [N, V] of any float dtype, ``targets`` is [N] of token ids. Alternatives at
-    -inf (masked tokens) are left out: they say nothing and are not valid JSON numbers.
-    """
-    n, v = logits.shape
-    targets = targets.to(device=logits.device, dtype=torch.long)
-    chunk = max(1, _LOGPROB_CHUNK_ELEMS // max(v, 1))
-    out: list[TokenLogprob] = []
-    for start in range(0, n, chunk):
-        x = logits[start : start + chunk].float()
-        tgt = targets[start : start + chunk]
-        # logits - logsumexp equals log_softmax without materializing another [N, V] tensor.
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        chosen = (x.gather(1, tgt[:, None]) - lse).squeeze(1).tolist()
-        if top_n <= 0:
-            out.extend(TokenLogprob(t, lp) for t, lp in zip(tgt.tolist(), chosen, strict=True))
-            continue
-        top_vals, top_ids = x.topk(min(top_n, v), dim=-1)
-        rows = zip(tgt.tolist(), chosen, (top_vals - lse).tolist(), top_ids.tolist(), strict=True)
-        for t, lp, vals, ids in rows:
-            top = [(i, val) for i, val in zip(ids, vals, strict=True) if val != _NEG_INF]
-            out.append(TokenLogprob(t, lp, top))
-    return out
 
 
 def _flat_positions(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

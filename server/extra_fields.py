@@ -28,7 +28,7 @@ CHANGES_OUTPUT: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((1, 1.0), "beam search is not served"),
     "early_stopping": ((False,), "beam search is not served"),
     "logits_processors": (([],), "custom logits processors are not served; use a constraint or logit_bias"),
-    "prompt_logprobs": ((), "use /generate with logprob_start_len to get prompt log-probabilities"),
+    "prompt_logprobs": ((None,), _CHAT_ONLY),
     # Served by /v1/chat/completions and /v1/completions (fields there, so never extras); elsewhere refused.
     "include_stop_str_in_output": ((False,), _CHAT_ONLY),
     "allowed_token_ids": ((None,), _CHAT_ONLY),

@@ -15,12 +15,12 @@ def _chat_entry(token_id: int, logprob: float, names: TokenNames) -> dict[str, A
     return {"token": names(token_id), "logprob": logprob, "bytes": names.bytes_of(token_id)}
 
 
-def chat_logprobs(lps: Sequence[TokenLogprob], names: TokenNames) -> dict[str, Any]:
-    """``choice.logprobs`` of a chat completion (or of one streamed chunk)."""
+def chat_logprobs(lps: Sequence[TokenLogprob], names: TokenNames, top_n: int | None = None) -> dict[str, Any]:
+    """``choice.logprobs`` of a chat completion (or of one streamed chunk); ``top_n`` alternatives at most."""
     content = []
     for lp in lps:
         entry = _chat_entry(lp.token_id, lp.logprob, names)
-        entry["top_logprobs"] = [_chat_entry(t, v, names) for t, v in lp.top]
+        entry["top_logprobs"] = [_chat_entry(t, v, names) for t, v in lp.top[:top_n]]
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -33,12 +33,28 @@ def prompt_entries(prompt_ids: Sequence[int], prompt_lps: Sequence[TokenLogprob]
     return entries
 
 
+def vllm_prompt_logprobs(
+    prompt_lps: Sequence[TokenLogprob] | None, names: Names, top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token (nothing predicts it), then for each token a
+    map from token id (as text) to ``{logprob, rank, decoded_token}``: the prompt's own token first, then the
+    ``top_n`` best (one entry when it is among them)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in prompt_lps or ():
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": names(lp.token_id)}}
+        for rank, (t, v) in enumerate(lp.top[:top_n], start=1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": names(t)})
+        out.append(entry)
+    return out
+
+
 def completion_logprobs(
     token_ids: Sequence[int],
     lps: Sequence[TokenLogprob | None],
     names: Names,
     text_offset: int = 0,
     shown: Names | None = None,
+    top_n: int | None = None,
 ) -> dict[str, Any]:
     """``choice.logprobs`` of a legacy completion: parallel lists, offsets index into the choice's text.
 
@@ -57,7 +73,7 @@ def completion_logprobs(
             tops.append(None)
             continue
         token_lps.append(lp.logprob)
-        top = {shown(t): v for t, v in lp.top}
+        top = {shown(t): v for t, v in lp.top[:top_n]}
         top.setdefault(text, lp.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

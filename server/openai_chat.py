@@ -32,7 +32,7 @@ from radixserve.server.chat_core import (
 from radixserve.server.chat_core import collect as collect_choices
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.extra_fields import check_extra_fields
-from radixserve.server.logprobs import chat_logprobs
+from radixserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
@@ -50,7 +50,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         return SSEResponse(_stream(run, body, state, include_usage))
     choices = await collect_choices(run, request)
     results = [c.result for c in choices]
-    return {
+    response = {
         "id": run.id,
         "object": "chat.completion",
         "created": run.created,
@@ -58,6 +58,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         "choices": [_choice(c, body, state) for c in choices],
         "usage": usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results), results[0].cached_tokens),
     }
+    if body.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
+        response["prompt_logprobs"] = vllm_prompt_logprobs(
+            results[0].prompt_logprobs, _names(state, body), body.prompt_logprobs
+        )
+    return response
 
 
 def _choice(choice: ChatChoice, body: ChatCompletionRequest, state: ServerState) -> dict[str, Any]:
@@ -71,7 +76,7 @@ def _choice(choice: ChatChoice, body: ChatCompletionRequest, state: ServerState)
     return {
         "index": choice.index,
         "message": message,
-        "logprobs": chat_logprobs(res.logprobs, _names(state, body)) if body.logprobs else None,
+        "logprobs": chat_logprobs(res.logprobs, _names(state, body), body.top_logprobs or 0) if body.logprobs else None,
         "finish_reason": choice.finish_reason,
         "matched_stop": res.matched_stop,
     }
@@ -103,7 +108,11 @@ async def _stream(
                 finals.append(event.output)
                 yield delta(event.index, {}, None, event.finish_reason)
                 continue
-            lps = chat_logprobs(event.logprobs, names) if body.logprobs and event.logprobs else None
+            lps = (
+                chat_logprobs(event.logprobs, names, body.top_logprobs or 0)
+                if body.logprobs and event.logprobs
+                else None
+            )
             if isinstance(event, TextDelta):
                 key = "reasoning_content" if event.kind == "reasoning" else "content"
                 yield delta(event.index, {key: event.text}, lps)

@@ -29,7 +29,7 @@ from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
-from radixserve.server.logprobs import completion_logprobs, prompt_entries
+from radixserve.server.logprobs import completion_logprobs, prompt_entries, vllm_prompt_logprobs
 from radixserve.server.params import budget, openai_params, truncate_prompt
 from radixserve.server.protocol import CompletionRequest
 from radixserve.server.state import ServerState
@@ -152,14 +152,19 @@ def _choice(
         if body.echo:
             tokens = prompt_ids + tokens
             lps = prompt_entries(prompt_ids, res.prompt_logprobs) + lps
-        logprobs = completion_logprobs(tokens, lps, state.token_names, shown=_shown(body))
-    return {
+        logprobs = completion_logprobs(tokens, lps, state.token_names, shown=_shown(body), top_n=body.logprobs)
+    choice = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": reason,
         "matched_stop": res.matched_stop,
     }
+    if body.prompt_logprobs is not None:  # vLLM's
+        assert state.token_names is not None
+        names = _shown(body) or state.token_names
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(res.prompt_logprobs, names, body.prompt_logprobs)
+    return choice
 
 
 async def _stream(
@@ -189,7 +194,7 @@ async def _stream(
             reason = finish_reason(out.finish_reason, out.error, out.error_code) if out.finished else None
             lps = None
             if body.logprobs is not None and out.logprobs:
-                lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i], _shown(body))
+                lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i], _shown(body), body.logprobs)
             offsets[i] += len(out.text)
             if out.text or lps or out.finished:
                 yield chunk([{"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}])

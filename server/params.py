@@ -124,6 +124,8 @@ def openai_params(
     """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
     carries ``constraint``. ``defaults`` (the model's generation config) fill the sampling parameters the request
     did not send. ``tokenizer`` turns ``bad_words`` into token sequences."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
     if req.min_tokens > max_new_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_new_tokens})", "min_tokens")
     sampling = _sampling_fields(req, defaults or {})
@@ -139,8 +141,9 @@ def openai_params(
         ignore_eos=req.ignore_eos,
         logit_bias=parse_logit_bias(req.logit_bias),
         return_logprob=return_logprob,
-        top_logprobs_num=top_logprobs,
-        logprob_start_len=0 if echo_logprobs else -1,
+        # The prompt's and the answer's alternatives come from one count; each list is cut to its own on the way out.
+        top_logprobs_num=max(top_logprobs, req.prompt_logprobs or 0),
+        logprob_start_len=0 if echo_logprobs or req.prompt_logprobs is not None else -1,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),

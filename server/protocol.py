@@ -152,6 +152,9 @@ class _SamplingFields(_NullIsDefault):
     )
     return_tokens_as_token_ids: bool = Field(False, description='Logprobs name tokens "token_id:<id>".')
     priority: int = Field(0, description="With --schedule-policy priority: lower runs first.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="The prompt tokens' logprobs with this many alternatives."
+    )
     cache_salt: str | None = Field(
         None, min_length=1, description="Cached prefixes are shared only among requests with the same salt."
     )

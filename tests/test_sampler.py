@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
+import radixserve.runtime.logprobs as logprobs_mod
 import radixserve.runtime.sampler as sampler_mod
+from radixserve.runtime.logprobs import token_logprobs
 from radixserve.runtime.request import Req
-from radixserve.runtime.sampler import TOP_WINDOW, NoAllowedTokenError, NonFiniteLogitsError, Sampler, token_logprobs
+from radixserve.runtime.sampler import TOP_WINDOW, NoAllowedTokenError, NonFiniteLogitsError, Sampler
 from radixserve.runtime.sampling_params import SamplingParams
 
 V = 50
@@ -431,7 +433,7 @@ def test_logprobs_drop_masked_alternatives() -> None:
 
 @pytest.mark.parametrize("chunk_elems", [1 << 26, V * 3])
 def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: int) -> None:
-    monkeypatch.setattr(sampler_mod, "_LOGPROB_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(logprobs_mod, "_LOGPROB_CHUNK_ELEMS", chunk_elems)
     logits = rand_logits(10, seed=19).to(torch.bfloat16)
     targets = torch.randint(0, V, (10,), generator=torch.Generator().manual_seed(20))
     ref = torch.log_softmax(logits.float(), -1)
@@ -441,7 +443,10 @@ def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: in
     for i, e in enumerate(out):
         assert [t for t, _ in e.top] == ref[i].topk(4).indices.tolist()
         torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), ref[i].topk(4).values)
-    assert all(e.top == [] for e in token_logprobs(logits, targets, top_n=0))
+    assert all(e.top == [] and e.rank is None for e in token_logprobs(logits, targets, top_n=0))
+    ranked = token_logprobs(logits, targets, top_n=0, ranks=True)
+    want = [int((logits[i].float() > logits[i, t].float()).sum()) + 1 for i, t in enumerate(targets.tolist())]
+    assert [e.rank for e in ranked] == want
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -221,3 +221,29 @@ def test_filter_fields_elsewhere_are_refused_not_ignored(server: ServerThread) -
         assert_error(httpx.post(server.url + "/v1/responses", json=body, timeout=60), 400, param=field)
     native = {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "priority": 2}
     assert_error(httpx.post(server.url + "/generate", json=native, timeout=60), 400, param="sampling_params.priority")
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server: ServerThread, engine: Engine) -> None:
+    """Per prompt token (None for the first): its own id with logprob and exact rank, then the best alternatives
+    ranked 1..k; the same numbers echo + logprobs gives; the answer's alternatives keep their own count."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 1, "prompt_logprobs": 3}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    echo = httpx.post(server.url + "/v1/completions", json={**body, "echo": True, "max_tokens": 0}, timeout=60)
+    echoed = echo.json()["choices"][0]["logprobs"]["token_logprobs"][: len(ids)]
+    for token_id, entry, want in zip(ids[1:], entries[1:], echoed[1:]):
+        own = entry[str(token_id)]
+        assert own["logprob"] == pytest.approx(want, abs=1e-4) and own["rank"] >= 1
+        assert sorted(v["rank"] for v in entry.values())[:3] == [1, 2, 3] and len(entry) in (3, 4)
+        assert own["decoded_token"] == engine.tokenizer.decode([token_id])
+    assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # logprobs=1, not 3
+    chat = {"model": MODEL, "messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
+            "prompt_logprobs": 2}  # fmt: skip
+    resp = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert resp["prompt_logprobs"][0] is None and len(resp["prompt_logprobs"]) == resp["usage"]["prompt_tokens"]
+    assert all(len(e["top_logprobs"]) == 1 for e in resp["choices"][0]["logprobs"]["content"])
+    streamed = httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60)
+    assert_error(streamed, 400, param="prompt_logprobs")
