@@ -85,7 +85,7 @@ class KVCacheManager:
         if self.tree is None:
             return 0
         limit = req.total - 1
-        if req.wants_prompt_logprobs:
+        if req.scoring_prompt:
             limit = min(limit, req.next_logprob_pos)
         if limit <= 0:
             return 0

@@ -14,7 +14,8 @@ _NEG_INF = float("-inf")
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int, ranks: bool = False) -> list[TokenLogprob]:
     """``log_softmax(logits)[i, targets[i]]`` and the ``top_n`` best alternatives per row, sorted descending;
-    with ``ranks``, each target's rank too (1 + the tokens scored strictly higher, as vLLM counts it).
+    with ``ranks``, each target's rank too: the tokens scored at least as high, itself included (vLLM's count, so
+    a tie ranks as its last place).
 
     Batched over rows; long inputs (prompt logprobs) are processed in row chunks so the float32 working copy
     stays bounded. ``logits`` is [N, V] of any float dtype, ``targets`` is [N] of token ids. Alternatives at
@@ -31,7 +32,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int, rank
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
         picked = x.gather(1, tgt[:, None])
         chosen = (picked - lse).squeeze(1).tolist()
-        rank = (x > picked).sum(dim=-1).add_(1).tolist() if ranks else [None] * len(chosen)
+        rank = (x >= picked).sum(dim=-1).tolist() if ranks else [None] * len(chosen)
         if top_n <= 0:
             out.extend(TokenLogprob(t, lp, rank=r) for t, lp, r in zip(tgt.tolist(), chosen, rank, strict=True))
             continue

@@ -114,7 +114,7 @@ class ModelRunner:
         ]
         fast = (
             bool(candidates)
-            and not any(c.draft or c.req.wants_prompt_logprobs for c in plan.chunks)
+            and not any(c.draft or c.req.scoring_prompt for c in plan.chunks)
             and self.sampler.argmax_only([plan.chunks[i].req for i in candidates])
         )
         if fast:
@@ -140,7 +140,7 @@ class ModelRunner:
             length = chunk.num_tokens
             if i not in errors and chunk.draft:
                 verify.append((i, offset))
-            elif i not in errors and chunk.req.wants_prompt_logprobs:
+            elif i not in errors and chunk.req.scoring_prompt:
                 prompt_lps[i] = self._prompt_logprobs(chunk, hidden[offset : offset + length])
             offset += length
 

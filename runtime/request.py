@@ -44,7 +44,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
-    rank: int | None = None  # 1 + the tokens scored higher; given for the prompt's tokens
+    rank: int | None = None  # the tokens scored at least as high (itself included); given for the prompt's tokens
 
 
 # Token ids are below this; salted cache ids (``Req.cache_ids``) are at or above it.
@@ -161,6 +161,12 @@ class Req:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return 0 <= self.params.logprob_start_len < len(self.prompt_ids)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt tokens are left to score: then its cached prefix stops where scoring resumes, and its
+        steps compute logits at prompt positions. (Once all are scored it decodes, and resumes, as any other.)"""
+        return self.wants_prompt_logprobs and self.next_logprob_pos < len(self.prompt_ids) - 1
 
     @property
     def next_logprob_pos(self) -> int:

@@ -38,12 +38,12 @@ def vllm_prompt_logprobs(
 ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token (nothing predicts it), then for each token a
     map from token id (as text) to ``{logprob, rank, decoded_token}``: the prompt's own token first, then the
-    ``top_n`` best (one entry when it is among them)."""
+    ``top_n`` best ranked 1..n (as in vLLM, an own token among them takes its place in that order)."""
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for lp in prompt_lps or ():
         entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": names(lp.token_id)}}
         for rank, (t, v) in enumerate(lp.top[:top_n], start=1):
-            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": names(t)})
+            entry[str(t)] = {"logprob": v, "rank": rank, "decoded_token": names(t)}
         out.append(entry)
     return out
 

@@ -69,3 +69,26 @@ def test_prompt_logprobs_equal_an_unpressured_run_after_retraction(
         assert len(want) == 59  # every prompt token after the first, once
         assert [t for t, _ in got[rid]] == [t for t, _ in want], rid
         assert [lp for _, lp in got[rid]] == pytest.approx([lp for _, lp in want], abs=1e-4), rid
+
+
+def test_a_request_whose_prompt_is_scored_resumes_from_the_cache() -> None:
+    """Once every prompt token is scored, the request is a plain decoder: its cached prefix is no longer cut where
+    scoring began (a retracted one recomputed all it had generated), and it leaves the greedy fast path to others."""
+    from radixserve.runtime.kv_cache import KVCacheManager
+    from radixserve.runtime.request import TokenLogprob
+
+    cache = KVCacheManager(256, enable_radix=True, strict=True)
+    prompt = list(range(3, 23))
+    warm = Req("warm", prompt + [40, 41], SamplingParams(max_new_tokens=1))
+    cache.admit(warm)
+    warm.slots += cache.alloc(warm.total - len(warm.slots))
+    warm.num_computed = warm.total
+    cache.release(warm)
+    req = Req("r", prompt, SamplingParams(max_new_tokens=4, logprob_start_len=0))
+    assert req.scoring_prompt
+    req.prompt_logprobs = [TokenLogprob(t, -1.0) for t in prompt[1:]]
+    req.output_ids = [40, 41]
+    assert not req.scoring_prompt and req.wants_prompt_logprobs
+    assert cache.admit(req) == req.total - 1  # all but the last token, as for any request
+    cache.release(req)
+    cache.check([])

@@ -444,9 +444,10 @@ def test_token_logprobs_batched(monkeypatch: pytest.MonkeyPatch, chunk_elems: in
         assert [t for t, _ in e.top] == ref[i].topk(4).indices.tolist()
         torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), ref[i].topk(4).values)
     assert all(e.top == [] and e.rank is None for e in token_logprobs(logits, targets, top_n=0))
-    ranked = token_logprobs(logits, targets, top_n=0, ranks=True)
-    want = [int((logits[i].float() > logits[i, t].float()).sum()) + 1 for i, t in enumerate(targets.tolist())]
-    assert [e.rank for e in ranked] == want
+    # Ranks as vLLM counts them: a tie ranks as its last place.
+    tied = torch.tensor([[3.0, 2.0, 2.0, 1.0]]).repeat(4, 1).to(torch.bfloat16)
+    ranked = token_logprobs(tied, torch.tensor([0, 1, 2, 3]), top_n=0, ranks=True)
+    assert [e.rank for e in ranked] == [1, 3, 3, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
