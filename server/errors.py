@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from radixserve.constrained import GrammarError
 from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
 from radixserve.runtime.request import ErrorCode
+from radixserve.server.asgi import HttpMiddleware
 
 logger = logging.getLogger("radixserve.server")
 
@@ -56,6 +57,10 @@ _OPENAI_PARAMS = {
     "at most": "stop",
     "this request needs": "max_tokens",
 }
+
+
+# The same parameters as /generate's sampling_params spell them.
+_NATIVE_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "bad_words": "bad_words_ids"}
 
 
 class APIError(Exception):
@@ -166,7 +171,7 @@ def param_of(message: str, native: bool = False) -> str | None:
                 return name
             if name == "top_logprobs":
                 return "top_logprobs_num"
-            return "sampling_params." + {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}.get(name, name)
+            return "sampling_params." + _NATIVE_NAMES.get(name, name)
     return None
 
 
@@ -246,19 +251,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(InternalErrors)  # the first added: inside every middleware added after
 
 
-class InternalErrors:
+class InternalErrors(HttpMiddleware):
     """ASGI middleware: an unexpected exception of a route becomes the API's 500 here, inside the app's other
     middlewares, so that the answer carries the request id and the CORS headers (Starlette's handler for
     ``Exception`` answers outside them all). Once a response has started, the exception propagates as before
     (the server closes the connection; a stream reports its errors itself)."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         started = False
 
         async def tracked(message: dict[str, Any]) -> None:

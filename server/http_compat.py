@@ -20,7 +20,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from radixserve.server.asgi import HttpMiddleware
 
 LOOPBACK_ORIGINS = tuple(f"{s}://{h}:*" for s in ("http", "https") for h in ("localhost", "127.0.0.1", "[::1]"))
 
@@ -109,15 +111,12 @@ def install_http_compat(app: FastAPI, config: CorsConfig) -> None:
     )
 
 
-class HeadAsGet:
-    """ASGI middleware: a HEAD request is handled as the GET of the same path, its body dropped (headers kept, so
-    Content-Length says what a GET would send). Routes without GET answer 405 as they would."""
+class HeadAsGet(HttpMiddleware):
+    """A HEAD request is handled as the GET of the same path, its body dropped (headers kept, so Content-Length
+    says what a GET would send). Routes without GET answer 405 as they would."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "HEAD":
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "HEAD":
             await self.app(scope, receive, send)
             return
 

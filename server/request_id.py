@@ -8,22 +8,17 @@ import uuid
 from typing import Any
 
 from radixserve.runtime.logs import current_request_id
+from radixserve.server.asgi import HttpMiddleware
 
 HEADER = b"x-request-id"
 # A client's id is kept if it is short and plain (it ends up in logs and headers); otherwise a new one is made.
 _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,128}$")
 
 
-class RequestIdMiddleware:
-    """Pure ASGI (no buffering of streamed responses): sets ``current_request_id`` and the response header."""
+class RequestIdMiddleware(HttpMiddleware):
+    """Sets ``current_request_id`` and the response header."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         sent = dict(scope.get("headers") or []).get(HEADER)
         rid = sent.decode() if sent is not None and _CLIENT_ID.match(sent) else uuid.uuid4().hex
         current_request_id.set(rid)
