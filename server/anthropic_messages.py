@@ -5,10 +5,11 @@ The answer is a list of content blocks: ``thinking`` (with ``--reasoning-parser`
 ``tool_use`` block per call (``input`` is the call's arguments as an object). ``stop_reason`` is ``end_turn``,
 ``max_tokens``, ``stop_sequence`` (with the matched ``stop_sequence``) or ``tool_use``. Usage counts cached
 prompt tokens as ``cache_read_input_tokens`` and the rest as ``input_tokens``, as Anthropic does. Streaming sends
-``message_start``, ``ping``, per block ``content_block_start`` / ``content_block_delta`` (``thinking_delta``,
-``text_delta``, ``input_json_delta``) / ``content_block_stop``, then ``message_delta`` (stop reason, output
-tokens) and ``message_stop``. Errors have Anthropic's shape ``{"type": "error", "error": {type, message}}``
-(``server.errors`` picks it by path), in the stream as an ``error`` event.
+``message_start`` (with the first output, so that its usage has that split too), ``ping``, per block
+``content_block_start`` / ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``) /
+``content_block_stop``, then ``message_delta`` (stop reason, output tokens) and ``message_stop``. Errors have
+Anthropic's shape ``{"type": "error", "error": {type, message}}`` (``server.errors`` picks it by path), in the
+stream as an ``error`` event.
 
 Invariant: the ``partial_json`` fragments of a tool_use block joined are its ``input`` as JSON text.
 """
@@ -157,12 +158,17 @@ async def _stream(run: ChatRun, state: ServerState, mid: str) -> AsyncIterator[s
     def delta(d: dict[str, Any]) -> str:
         return sse_event("content_block_delta", {"type": "content_block_delta", "index": len(blocks) - 1, "delta": d})
 
+    started = False
     try:
-        start_msg = _message(mid, state, _usage(run.prompt_tokens, 0, 0))
-        yield sse_event("message_start", {"type": "message_start", "message": start_msg})
-        yield sse_event("ping", {"type": "ping"})
         async for event in events(run):
             out: list[str] = []
+            if not started:  # sent with the first output, whose usage says how much of the prompt was cached
+                first = event.output
+                assert first is not None
+                start_msg = _message(mid, state, _usage(first.prompt_tokens, first.cached_tokens, 0))
+                out += [sse_event("message_start", {"type": "message_start", "message": start_msg})]
+                out += [sse_event("ping", {"type": "ping"})]
+                started = True
             if isinstance(event, TextDelta) and event.text:
                 if event.kind == "reasoning":
                     if not blocks or blocks[-1] != "thinking":

@@ -106,6 +106,7 @@ class TextDelta:
     kind: str
     text: str
     logprobs: list[TokenLogprob] | None = None
+    output: ReqOutput | None = None  # the engine output it came from (token counts, cache hit)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class ToolDelta:
     id: str | None = None
     name: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    output: ReqOutput | None = None  # the engine output it came from (token counts, cache hit)
 
     def to_openai(self) -> dict[str, Any]:
         if self.id is None:
@@ -253,6 +255,9 @@ class _ChoiceReader:
             if self.calls and (self.scanner is None or self.scanner.complete):
                 reason = "tool_calls"  # a forced call cut by max_tokens keeps "length"
             events.append(ChoiceDone(self.index, reason, out))
+        for event in events:
+            if isinstance(event, TextDelta | ToolDelta):
+                event.output = out
         return events
 
     def _content(self, text: str) -> list[Event]:

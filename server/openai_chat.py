@@ -33,7 +33,7 @@ from radixserve.server.chat_core import collect as collect_choices
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
-from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, usage_in_stream
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
 from radixserve.server.tokens import TokenIdNames, TokenNames
@@ -46,8 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     check_extra_fields(body, "/v1/chat/completions")
     run = await start_chat(body, state)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(run, body, state, include_usage))
+        return SSEResponse(_stream(run, body, state))
     choices = await collect_choices(run, request)
     results = [c.result for c in choices]
     response = {
@@ -82,22 +81,23 @@ def _choice(choice: ChatChoice, body: ChatCompletionRequest, state: ServerState)
     }
 
 
-async def _stream(
-    run: ChatRun, body: ChatCompletionRequest, state: ServerState, include_usage: bool
-) -> AsyncIterator[str]:
+async def _stream(run: ChatRun, body: ChatCompletionRequest, state: ServerState) -> AsyncIterator[str]:
     """Per choice: a first delta with the role, content (or reasoning_content) deltas, a last chunk with
     finish_reason; then the usage chunk (if asked for) and [DONE]. Choices interleave as their tokens arrive. A
     forced tool call streams tool-call deltas instead of content: index, id and name first, then argument
     fragments."""
     names = _names(state, body)
+    include_usage, continuous = usage_in_stream(body.stream_options)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
         return stream_chunk(
             run.id, "chat.completion.chunk", run.created, state.served_name, choices, usage_, include_usage
         )
 
-    def delta(index: int, d: dict[str, Any], logprobs: Any = None, reason: str | None = None) -> str:
-        return chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}])
+    def delta(index: int, d: dict[str, Any], logprobs: Any = None, reason: str | None = None, out: Any = None) -> str:
+        # continuous_usage_stats (vLLM's): each chunk counts its choice's tokens so far.
+        so_far = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens) if continuous and out else None
+        return chunk([{"index": index, "delta": d, "logprobs": logprobs, "finish_reason": reason}], so_far)
 
     finals = []
     try:
@@ -106,7 +106,7 @@ async def _stream(
         async for event in events(run):
             if isinstance(event, ChoiceDone):  # (its tokens' logprobs went out with their deltas)
                 finals.append(event.output)
-                yield delta(event.index, {}, None, event.finish_reason)
+                yield delta(event.index, {}, None, event.finish_reason, event.output)
                 continue
             lps = (
                 chat_logprobs(event.logprobs, names, body.top_logprobs or 0)
@@ -115,9 +115,9 @@ async def _stream(
             )
             if isinstance(event, TextDelta):
                 key = "reasoning_content" if event.kind == "reasoning" else "content"
-                yield delta(event.index, {key: event.text}, lps)
+                yield delta(event.index, {key: event.text}, lps, None, event.output)
             elif isinstance(event, ToolDelta):
-                yield delta(event.index, {"tool_calls": [event.to_openai()]}, lps)
+                yield delta(event.index, {"tool_calls": [event.to_openai()]}, lps, None, event.output)
         if include_usage:
             out = finals[0]
             yield chunk([], usage(out.prompt_tokens, sum(f.completion_tokens for f in finals), out.cached_tokens))

@@ -31,7 +31,7 @@ from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import completion_logprobs, prompt_entries, vllm_prompt_logprobs
 from radixserve.server.params import budget, openai_params, truncate_prompt
-from radixserve.server.protocol import CompletionRequest
+from radixserve.server.protocol import CompletionRequest, usage_in_stream
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
 from radixserve.server.tokens import TokenIdNames, encode
@@ -112,8 +112,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     group.submit(requests)
     created = int(time.time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_stream(group, body, state, prompts, cid, created, include_usage))
+        return SSEResponse(_stream(group, body, state, prompts, cid, created))
     results = await group.collect(request)
     choices = []
     for i, res in enumerate(results):
@@ -174,11 +173,11 @@ async def _stream(
     prompts: list[tuple[list[int], str]],
     cid: str,
     created: int,
-    include_usage: bool,
 ) -> AsyncIterator[str]:
     names = state.token_names
     assert names is not None
     offsets = [0] * len(group.rids)
+    include_usage, continuous = usage_in_stream(body.stream_options)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
         return stream_chunk(cid, "text_completion", created, state.served_name, choices, usage_, include_usage)
@@ -197,7 +196,9 @@ async def _stream(
                 lps = completion_logprobs(out.token_ids, out.logprobs, names, offsets[i], _shown(body), body.logprobs)
             offsets[i] += len(out.text)
             if out.text or lps or out.finished:
-                yield chunk([{"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}])
+                # continuous_usage_stats (vLLM's): each chunk counts its choice's tokens so far.
+                so_far = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens) if continuous else None
+                yield chunk([{"index": i, "text": out.text, "logprobs": lps, "finish_reason": reason}], so_far)
             if out.finished:
                 finals[i] = out
         if include_usage:

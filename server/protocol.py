@@ -99,6 +99,15 @@ class ResponseFormat(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk's usage counts the tokens so far (not null until the last chunk).
+    continuous_usage_stats: bool = False
+
+
+def usage_in_stream(options: StreamOptions | None) -> tuple[bool, bool]:
+    """``(every chunk carries usage, counting as it goes)`` from a request's ``stream_options``."""
+    if options is None or not options.include_usage:
+        return False, False
+    return True, options.continuous_usage_stats
 
 
 class StructuredOutputs(BaseModel):

@@ -76,6 +76,11 @@ def test_stream_matches_create(client: anthropic.Anthropic) -> None:
         final = stream.get_final_message()
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[1] == "content_block_start"
+    # message_start has the cache split already (the same prompt ran just before: all but its last token cached).
+    start = events[0].message.usage
+    assert start.cache_read_input_tokens > 0 and start.input_tokens + start.cache_read_input_tokens == (
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    )
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
     assert text == final.content[0].text == plain.content[0].text

@@ -177,3 +177,19 @@ def test_priority_is_served_with_the_priority_policy(tiny_model_dir: Path) -> No
                 assert resp.status_code == 200, (path, resp.text)
     finally:
         engine.shutdown()
+
+
+def test_continuous_usage_stats(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk counts its choice's tokens so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=6, stream=True, stream_options=options,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    )
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 2
+    assert chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices  # the final usage chunk, as before
+    text = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True, stream_options=options,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    counts = [c.usage.completion_tokens for c in text if c.choices and c.usage is not None]
+    assert counts[-1] == 4 and counts == sorted(counts)
