@@ -33,6 +33,19 @@ class EngineAPI(ABC):
     @abstractmethod
     def abort(self, rid: str) -> None: ...
 
+    def submit_all(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Sink]]) -> list[str]:
+        """Queue every ``(prompt_ids, params, sink)`` or none: at the first refusal, those already queued are
+        aborted and the refusal is raised (a caller never holds the rids of half a batch)."""
+        rids: list[str] = []
+        try:
+            for prompt_ids, params, sink in requests:
+                rids.append(self.submit(prompt_ids, params, sink))
+        except BaseException:
+            for rid in rids:
+                self.abort(rid)
+            raise
+        return rids
+
     def generate(
         self,
         prompt: str | list[str] | None = None,
@@ -55,17 +68,8 @@ class EngineAPI(ABC):
             param_list = [as_params(p) for p in sampling_params]
         else:
             param_list = [as_params(sampling_params) for _ in ids_list]
-        done: list[Future[dict[str, Any]]] = []
-        rids: list[str] = []
-        try:
-            for ids, params in zip(ids_list, param_list):
-                fut: Future[dict[str, Any]] = Future()
-                rids.append(self.submit(ids, params, Collector(fut)))  # type: ignore[arg-type]
-                done.append(fut)
-        except BaseException:  # all or nothing: the caller never gets the rids of those already queued
-            for rid in rids:
-                self.abort(rid)
-            raise
+        done: list[Future[dict[str, Any]]] = [Future() for _ in ids_list]
+        self.submit_all([(ids, p, Collector(f)) for ids, p, f in zip(ids_list, param_list, done)])  # type: ignore[misc]
         results = [f.result() for f in done]
         return results[0] if single else results
 
@@ -87,7 +91,6 @@ class EngineAPI(ABC):
         finally:
             if not finished:
                 self.abort(rid)
-
 
 
 def as_params(p: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -164,7 +164,7 @@ def _allowed_token_ids(ids: list[int] | None) -> list[int]:
         raise bad_request(
             "allowed_token_ids must list at least one token id (leave it out to allow any)", "allowed_token_ids"
         )
-    return sorted(set(ids or ()))
+    return list(ids or ())
 
 
 def bad_words_ids(words: list[str] | None, tokenizer: Any) -> list[list[int]]:
@@ -239,7 +239,6 @@ def native_params(
             params.priority = priority
         params.constraint = constraint.spec if constraint is not None else None
         _check_types(params)
-        params.allowed_token_ids = sorted(set(params.allowed_token_ids))
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling_params: {exc}", "sampling_params") from None
     _validate(params, vocab_size, native=True)
@@ -279,6 +278,7 @@ def _is_int(value: Any) -> bool:
 
 def _validate(params: SamplingParams, vocab_size: int, native: bool) -> None:
     prefix = "sampling_params." if native else ""
+    params.allowed_token_ids = sorted(set(params.allowed_token_ids))  # (each id once: the sampler's work per step)
     checked = [("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias))]
     checked += [("allowed_token_ids", params.allowed_token_ids)]
     for name, ids in checked:

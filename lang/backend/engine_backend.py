@@ -90,15 +90,11 @@ class EngineBackend(Backend):
         growing, jittered wait (within ``OVERLOAD_PATIENCE_S``), as ``RuntimeEndpoint`` retries a 429."""
         patience = time.monotonic() + OVERLOAD_PATIENCE_S
         for attempt in itertools.count():
-            submitted: list[tuple[str, queue.SimpleQueue[ReqOutput]]] = []
+            queues: list[queue.SimpleQueue[ReqOutput]] = [queue.SimpleQueue() for _ in batch]
             try:
-                for ids in batch:
-                    outputs: queue.SimpleQueue[ReqOutput] = queue.SimpleQueue()
-                    submitted.append((self.engine.submit(ids, params, outputs.put), outputs))
-                return submitted
+                rids = self.engine.submit_all([(ids, params, q.put) for ids, q in zip(batch, queues)])
+                return list(zip(rids, queues))
             except Exception as exc:  # noqa: BLE001 - mapped to the status the HTTP server would answer
-                for rid, _ in submitted:
-                    self.engine.abort(rid)
                 if not isinstance(exc, EngineOverloadedError) or time.monotonic() >= patience:
                     raise _backend_error(from_engine_error(exc, native=True)) from None
             time.sleep(overload_backoff_s(attempt))

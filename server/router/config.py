@@ -17,8 +17,7 @@ from urllib.parse import urlsplit
 
 from radixserve.runtime import envs
 from radixserve.runtime.config import add_arguments
-from radixserve.server.config import LOG_LEVELS, ServerConfig
-from radixserve.server.http_compat import CorsConfig, cors_fields
+from radixserve.server.config import LOG_LEVELS, CorsConfig, ServerConfig, cors_fields
 from radixserve.server.router.policy import POLICIES, Policy, make_policy
 
 
