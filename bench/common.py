@@ -247,7 +247,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         return str(v).rjust(width) if isinstance(v, int) else str(v).ljust(width)
 
     widths = [
-        max(len(h), *(len(cell(row[i], 0)) for row in rows)) for i, h in enumerate(headers)
+        max([len(h), *(len(cell(row[i], 0)) for row in rows)]) for i, h in enumerate(headers)
     ]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
