@@ -189,6 +189,8 @@ def _is_union_tag(part: Any) -> bool:
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
+    if loc[:1] in (("query",), ("path",), ("header",)) and len(loc) > 1:
+        loc = loc[1:]  # a query parameter is named as the client wrote it (``limit``), as OpenAI names it
     parts = [p for p in loc if p != "body" and not _is_union_tag(p)]
     out = ""
     for p in parts:

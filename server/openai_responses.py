@@ -2,12 +2,19 @@
 
 ``POST`` runs one chat turn (``server.chat_core``) and returns a response object whose ``output`` holds, in
 order, a ``reasoning`` item (with ``--reasoning-parser``), a ``message`` item with the answer, and one
-``function_call`` item per tool call. Streaming sends the Responses event sequence: ``response.created``,
-``response.in_progress``, then per output item ``output_item.added``, its deltas (``reasoning_text.delta``,
-``content_part.added`` + ``output_text.delta`` + ``content_part.done``, ``function_call_arguments.delta``)
-and ``output_item.done``, and last ``response.completed`` (or ``response.incomplete`` when max_output_tokens
-cut it); every event has a ``sequence_number``. ``store`` (default true) keeps the response for
-``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}`` (``server.responses_store``).
+``function_call`` item per tool call. Streaming sends the Responses event sequence (``server.responses_events``):
+``response.created``, ``response.in_progress``, then per output item ``output_item.added``, its deltas
+(``reasoning_text.delta``, ``content_part.added`` + ``output_text.delta`` + ``content_part.done``,
+``function_call_arguments.delta``) and ``output_item.done``, and last ``response.completed`` (or
+``response.incomplete`` when max_output_tokens cut it); every event has a ``sequence_number``. ``store`` (default
+true) keeps the response for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``
+(``server.responses_store``).
+
+``background: true`` returns at once with status ``queued``; the response runs on in the server
+(``server.responses_background``): ``GET`` polls it (``queued``, ``in_progress``, then final), ``POST
+.../cancel`` stops it (status ``cancelled``, with the output made so far), and one created with ``stream: true``
+can be streamed again from any event (``GET ...?stream=true&starting_after=N``). A client that disconnects from
+a background response does not stop it.
 
 Invariants: item ids are fixed when an item is added and the completed response carries the same items (the SDK
 checks it); the streamed deltas of an item joined equal its text or arguments in the completed response.
@@ -15,40 +22,32 @@ checks it); the streamed deltas of an item joined equal its text or arguments in
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from radixserve.server.chat_core import (
-    ChatChoice,
-    ChatRun,
-    ChoiceDone,
-    TextDelta,
-    ToolDelta,
-    collect,
-    events,
-    start_chat,
-)
+from radixserve.server.chat_core import ChatRun, ChoiceDone, TextDelta, ToolDelta, collect, events, start_chat
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.errors import APIError, internal_error
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.logprobs import chat_logprobs
 from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.responses_background import BackgroundRun, not_streamable, replay
+from radixserve.server.responses_events import Emitter, error_event, message_item, new_id, output_items
 from radixserve.server.responses_input import ResponsesRequest, chat_request, renamed_error
 from radixserve.server.responses_store import StoredResponse
 from radixserve.server.state import ServerState
-from radixserve.server.streaming import SSEResponse, sse_event
-from radixserve.server.tool_parser import ParsedToolCall
+from radixserve.server.streaming import SSEResponse
+
+logger = logging.getLogger("radixserve.server")
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -58,9 +57,13 @@ class _Turn:
     body: ResponsesRequest
     chat: ChatCompletionRequest
     conversation: list[dict[str, Any]]
-    id: str = field(default_factory=lambda: _id("resp"))
+    id: str = field(default_factory=lambda: new_id("resp"))
     created: float = field(default_factory=time.time)
     run: ChatRun | None = None
+    emitter: Emitter = field(default_factory=Emitter)
+    status: str = "queued"  # then in_progress once the engine has produced output, then final
+    final: dict[str, Any] | None = None  # the finished response (completed or incomplete)
+    error: APIError | None = None  # the engine failed the request
 
     def envelope(self, state: ServerState, status: str, output: list[dict[str, Any]], **extra: Any) -> dict:
         body = self.body
@@ -70,6 +73,7 @@ class _Turn:
             "object": "response",
             "created_at": int(self.created),
             "status": status,
+            "background": body.background,
             "error": None,
             "incomplete_details": None,
             "instructions": body.instructions,
@@ -94,9 +98,24 @@ class _Turn:
 
 async def _start(body: ResponsesRequest, state: ServerState) -> _Turn:
     check_extra_fields(body, "/v1/responses")
+    if body.background and not body.store:
+        raise APIError(400, "a background response is polled from the store: send store: true", param="store")
+    if body.background and state.config.responses_store_size == 0:
+        raise APIError(
+            400,
+            "background responses need the response store, which --responses-store-size 0 turned off",
+            param="background",
+        )
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = state.responses.get(body.previous_response_id)
+        if previous is None and state.background.get(body.previous_response_id) is not None:
+            raise APIError(
+                400,
+                f"previous response {body.previous_response_id!r} is still running in the background: wait until "
+                "its status is final (GET /v1/responses/{id}), or cancel it",
+                param="previous_response_id",
+            )
         if previous is None:
             raise APIError(
                 400,
@@ -122,20 +141,70 @@ async def _start(body: ResponsesRequest, state: ServerState) -> _Turn:
 async def create_response(body: ResponsesRequest, request: Request, state: StateDep):
     turn = await _start(body, state)
     assert turn.run is not None
+    if body.background:
+        run = BackgroundRun(turn.id, lambda: turn.envelope(state, turn.status, turn.emitter.items), body.stream)
+        state.background.start(run, lambda run: _run_in_background(turn, state, run))
+        if body.stream:
+            return SSEResponse(run.follow(None), on_error=lambda exc: [error_event(exc, 0)])
+        return copy.deepcopy(run.snapshot())
     if body.stream:
-        return SSEResponse(_stream(turn, state), on_error=lambda exc: [_error_event(exc, 0)])
+        return SSEResponse(_stream(turn, state), on_error=lambda exc: [error_event(exc, 0)])
     choice = (await collect(turn.run, request))[0]
-    items = _items(choice, _logprobs(turn, choice.result.logprobs, state))
-    return _finish(turn, state, choice.finish_reason, choice.result, items)
+    items = output_items(choice, _logprobs(turn, choice.result.logprobs, state))
+    response = _finish(turn, state, choice.finish_reason, choice.result, items)
+    _store(turn, state, response)
+    return response
 
 
-@router.get("/v1/responses/{response_id}", summary="Retrieve a stored response")
-async def get_response(response_id: str, state: StateDep):
-    return _stored(response_id, state).response
+@router.get("/v1/responses/{response_id}", summary="Retrieve a response (a background one while it runs)")
+async def get_response(
+    response_id: str,
+    state: StateDep,
+    stream: bool = False,
+    starting_after: Annotated[int | None, Query(ge=0)] = None,
+):
+    """The response as it is now; with ``stream=true`` (a background response created streaming) its events
+    after ``starting_after``, then, while it runs, each event as it comes."""
+    run = state.background.get(response_id)
+    if run is not None:
+        if not stream:
+            return copy.deepcopy(run.snapshot())
+        if not run.keep_events:
+            raise not_streamable(response_id)
+        return SSEResponse(run.follow(starting_after), on_error=lambda exc: [error_event(exc, 0)])
+    entry = _stored(response_id, state)
+    if not stream:
+        return entry.response
+    if entry.events is None:
+        raise not_streamable(response_id)
+    return SSEResponse(replay(entry.events, starting_after))
 
 
-@router.delete("/v1/responses/{response_id}", summary="Delete a stored response")
+@router.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response")
+async def cancel_response(response_id: str, state: StateDep):
+    """Stop a background response: status ``cancelled``, with the output made so far. Cancelling one that has
+    already ended returns it as it ended."""
+    run = state.background.get(response_id)
+    if run is not None:
+        await run.cancel()
+        assert run.final is not None
+        return run.final
+    entry = _stored(response_id, state)
+    if not entry.response.get("background"):
+        raise APIError(
+            400,
+            f"response {response_id!r} was not created with background: true; only background responses can be "
+            "cancelled",
+            param="response_id",
+        )
+    return entry.response
+
+
+@router.delete("/v1/responses/{response_id}", summary="Delete a stored response (a running one is cancelled)")
 async def delete_response(response_id: str, state: StateDep):
+    run = state.background.get(response_id)
+    if run is not None:
+        await run.cancel()
     if not state.responses.delete(response_id):
         _stored(response_id, state)
     return {"id": response_id, "object": "response", "deleted": True}
@@ -169,6 +238,7 @@ async def response_input_items(
 
 
 def _stored(response_id: str, state: ServerState) -> StoredResponse:
+    """A response in the store (a background one still running is not there yet: callers look there first)."""
     entry = state.responses.get(response_id)
     if entry is None:
         raise APIError(404, f"no stored response has the id {response_id!r}", param="response_id", code="not_found")
@@ -190,16 +260,6 @@ def _input_item(message: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-# ------------------------------------------------------------------------------------------------ items
-def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "reasoning_text", "text": text}]
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
-
-
-def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
 def _logprobs(turn: _Turn, lps: Any, state: ServerState) -> list[dict[str, Any]]:
     """The answer's token logprobs as an ``output_text`` part lists them (asked for with ``include``
     ``message.output_text.logprobs`` or ``top_logprobs``): one entry per token, as in a chat completion."""
@@ -207,35 +267,6 @@ def _logprobs(turn: _Turn, lps: Any, state: ServerState) -> list[dict[str, Any]]
         return []
     assert state.token_names is not None
     return chat_logprobs(lps, state.token_names)["content"]
-
-
-def _message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
-    content = [_text_part(text, logprobs)] if status != "in_progress" else []
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
-
-
-def _call_item(item_id: str, call: ParsedToolCall, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if status != "in_progress" else "",
-        "status": status,
-    }
-
-
-def _items(choice: ChatChoice, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    items = []
-    if choice.reasoning:
-        items.append(_reasoning_item(_id("rs"), choice.reasoning))
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
-    if choice.content or not choice.tool_calls:
-        items.append(_message_item(_id("msg"), choice.content or "", status, logprobs))
-    items += [_call_item(_id("fc"), call) for call in choice.tool_calls]
-    if choice.tool_calls:
-        items[-1]["status"] = status  # a call cut by max_output_tokens is the last one
-    return items
 
 
 def _usage(res: Any, reasoning: str | None, state: ServerState) -> dict[str, Any]:
@@ -253,16 +284,22 @@ def _usage(res: Any, reasoning: str | None, state: ServerState) -> dict[str, Any
 
 
 def _finish(turn: _Turn, state: ServerState, reason: str, res: Any, items: list[dict[str, Any]]) -> dict[str, Any]:
-    """The completed response object; stored (with its conversation) when the request asked for it."""
+    """The finished response object (not stored yet: ``_store``)."""
     incomplete = reason in ("length", "abort")
     status = "incomplete" if incomplete else "completed"
     details = {"reason": "max_output_tokens" if reason == "length" else "interrupted"} if incomplete else None
     reasoning = next((i["content"][0]["text"] for i in items if i["type"] == "reasoning"), None)
     response = turn.envelope(state, status, items, incomplete_details=details)
     response["usage"] = _usage(res, reasoning, state)
-    if turn.body.store:
-        state.responses.put(StoredResponse(response, tuple([*turn.conversation, _assistant_message(items)])))
     return response
+
+
+def _store(turn: _Turn, state: ServerState, response: dict[str, Any], events: list[str] | None = None) -> None:
+    """Keep the response, with its conversation (and the events of a streamed background one), when the request
+    asked for it."""
+    if turn.body.store:
+        conversation = tuple([*turn.conversation, _assistant_message(response["output"])])
+        state.responses.put(StoredResponse(response, conversation, tuple(events) if events is not None else None))
 
 
 def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,154 +316,78 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
     return message
 
 
+def _failed(turn: _Turn, state: ServerState, error: APIError) -> dict[str, Any]:
+    details = {"code": str(error.code or error.status), "message": error.message}
+    return turn.envelope(state, "failed", turn.emitter.items, error=details)
+
+
 # ------------------------------------------------------------------------------------------------ streaming
-class _Emitter:
-    """Numbers the events and keeps the output items as they grow."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.items: list[dict[str, Any]] = []
-        self.open: dict[str, int] = {}  # "reasoning" / "message" / f"call{k}" -> output index while it is open
-        self.logprobs: list[dict[str, Any]] = []  # arrived, not sent yet: they go with the next text delta
-
-    def event(self, kind: str, **payload: Any) -> str:
-        data = {"type": kind, "sequence_number": self.seq, **payload}
-        self.seq += 1
-        return sse_event(kind, data)
-
-    def add(self, key: str, item: dict[str, Any]) -> list[str]:
-        """Open an output item (sent with no content yet); a message gets its one output_text part."""
-        self.open[key] = len(self.items)
-        self.items.append(item)
-        added = dict(item, content=[]) if "content" in item else dict(item)
-        out = [self.event("response.output_item.added", output_index=self.open[key], item=added)]
-        if item["type"] == "message":
-            item["content"] = [_text_part("")]
-            out.append(self._part("response.content_part.added", self.open[key], _text_part("")))
-        return out
-
-    def _part(self, kind: str, index: int, part: dict[str, Any]) -> str:
-        return self.event(kind, item_id=self.items[index]["id"], output_index=index, content_index=0, part=part)
-
-    def close(self, key: str, status: str = "completed") -> list[str]:
-        index = self.open.pop(key, None)
-        if index is None:
-            return []
-        item = self.items[index]
-        item["status"] = status
-        out = []
-        where = {"item_id": item["id"], "output_index": index}
-        if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
-            out.append(self.event("response.reasoning_text.done", **where, content_index=0, text=text))
-        elif item["type"] == "message":
-            part = item["content"][0]
-            done = {"text": part["text"], "logprobs": part["logprobs"]}
-            out.append(self.event("response.output_text.done", **where, content_index=0, **done))
-            out.append(self._part("response.content_part.done", index, part))
-        else:
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
-                )
-            )
-        out.append(self.event("response.output_item.done", output_index=index, item=item))
-        return out
-
-
 async def _stream(turn: _Turn, state: ServerState) -> AsyncIterator[str]:
-    run = turn.run
+    async for lines in _turn_events(turn, state, background=False):
+        for line in lines:
+            yield line
+
+
+async def _turn_events(turn: _Turn, state: ServerState, background: bool) -> AsyncIterator[list[str]]:
+    """The response's events, in bursts (each engine output's). Sets ``turn.final`` (stored at once unless in
+    the background, whose runner stores it with its events) or ``turn.error``. A background response is created
+    ``queued`` and goes ``in_progress`` with the engine's first output; a streamed one is in progress at once."""
+    run, em = turn.run, turn.emitter
     assert run is not None
-    em = _Emitter()
     try:
-        yield em.event("response.created", response=turn.envelope(state, "in_progress", []))
-        yield em.event("response.in_progress", response=turn.envelope(state, "in_progress", []))
+        turn.status = "queued" if background else "in_progress"
+        yield [em.event("response.created", response=turn.envelope(state, turn.status, []))]
+        if not background:
+            yield [em.event("response.in_progress", response=turn.envelope(state, "in_progress", []))]
         async for event in events(run):
+            out: list[str] = []
+            if turn.status == "queued":
+                turn.status = "in_progress"
+                out.append(em.event("response.in_progress", response=turn.envelope(state, "in_progress", [])))
             if isinstance(event, TextDelta | ToolDelta):
                 em.logprobs += _logprobs(turn, event.logprobs, state)
             if isinstance(event, TextDelta) and event.text:
-                for line in _text_events(em, event):
-                    yield line
+                out += em.text(event)
             elif isinstance(event, ToolDelta):
-                for line in _tool_events(em, event):
-                    yield line
+                out += em.tool(event)
             elif isinstance(event, ChoiceDone):
                 status = "incomplete" if event.finish_reason == "length" else "completed"
-                for key in list(em.open):  # the last item open is the one max_output_tokens cut
-                    for line in em.close(key, status if em.open[key] == len(em.items) - 1 else "completed"):
-                        yield line
+                out += em.close_all(status)  # the last item open is the one max_output_tokens cut
                 if not any(i["type"] in ("message", "function_call") for i in em.items):
-                    for line in em.add("message", _message_item(_id("msg"), "", "in_progress")):
-                        yield line
-                    for line in em.close("message", status):
-                        yield line
+                    out += em.add("message", message_item(new_id("msg"), "", "in_progress"))
+                    out += em.close("message", status)
                 response = _finish(turn, state, event.finish_reason, event.output, em.items)
+                turn.final, turn.status = response, response["status"]
+                if not background:
+                    _store(turn, state, response)  # before the client hears of it: it may continue from it at once
                 kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-                yield em.event(kind, response=response)
+                out.append(em.event(kind, response=response))
+            yield out
     except APIError as exc:  # the engine failed this request: the stream says so, as OpenAI's does
-        yield _error_event(exc, em.seq)
+        turn.error, turn.status = exc, "failed"
+        yield [em.error(exc)]
     finally:
         run.group.close()
 
 
-def _error_event(exc: BaseException, seq: int) -> str:
-    err = exc if isinstance(exc, APIError) else internal_error(exc)
-    payload = {"type": "error", "code": str(err.code or err.status), "message": err.message, "param": err.param}
-    return sse_event("error", {**payload, "sequence_number": seq})
-
-
-def _text_events(em: _Emitter, event: TextDelta) -> list[str]:
-    out: list[str] = []
-    if event.kind == "reasoning":
-        if "reasoning" not in em.open:
-            out += em.add("reasoning", _reasoning_item(_id("rs"), "", "in_progress"))
-        index = em.open["reasoning"]
-        em.items[index]["content"][0]["text"] += event.text
-        item_id = em.items[index]["id"]
-        out.append(
-            em.event(
-                "response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=event.text
-            )
-        )
-        return out
-    out += em.close("reasoning")
-    if "message" not in em.open:
-        out += em.add("message", _message_item(_id("msg"), "", "in_progress"))
-    index = em.open["message"]
-    part = em.items[index]["content"][0]
-    part["text"] += event.text
-    logprobs, em.logprobs = em.logprobs, []
-    part["logprobs"] += logprobs
-    item_id = em.items[index]["id"]
-    out.append(
-        em.event(
-            "response.output_text.delta",
-            item_id=item_id,
-            output_index=index,
-            content_index=0,
-            delta=event.text,
-            logprobs=logprobs,
-        )
-    )
-    return out
-
-
-def _tool_events(em: _Emitter, event: ToolDelta) -> list[str]:
-    out: list[str] = []
-    key = f"call{event.call}"
-    if event.id is not None:
-        out += em.close("reasoning") + em.close("message")
-        for other in [k for k in em.open if k.startswith("call")]:
-            out += em.close(other)
-        call = ParsedToolCall(name=event.name or "", arguments="", id=event.id)
-        out += em.add(key, _call_item(_id("fc"), call, "in_progress"))
-    index = em.open[key]
-    em.items[index]["arguments"] += event.arguments
-    if event.arguments:
-        item_id = em.items[index]["id"]
-        out.append(
-            em.event(
-                "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=event.arguments
-            )
-        )
-    return out
+async def _run_in_background(turn: _Turn, state: ServerState, run: BackgroundRun) -> None:
+    """Make a background response; whatever ends it (its end, a failure, a cancel) leaves it final and stored.
+    Between publishing the last event and storing nothing awaits, so a client that heard of the end finds it."""
+    em = turn.emitter
+    try:
+        async for lines in _turn_events(turn, state, background=True):
+            run.publish(lines)
+        if turn.final is not None:
+            response = turn.final
+        else:
+            response = _failed(turn, state, turn.error or APIError(500, "the engine ended the request without output"))
+    except asyncio.CancelledError:  # POST .../cancel (or the server's loop shutting down)
+        run.publish(em.close_all("incomplete"))
+        response = turn.envelope(state, "cancelled", em.items)
+    except Exception as exc:  # noqa: BLE001 - a background response must end final, never stay in_progress
+        logger.exception("background response %s failed", turn.id)
+        run.publish([em.error(exc)])
+        response = _failed(turn, state, internal_error(exc))
+    turn.status = response["status"]
+    _store(turn, state, response, run.events if run.keep_events else None)
+    run.finish(response)

@@ -24,7 +24,6 @@ LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for
 ROLES = ("user", "assistant", "system", "developer")
 # Fields refused because they would change what is served, with what to do instead.
 UNSUPPORTED = {
-    "background": "background responses are not served; stream the response instead",
     "conversation": "conversation objects are not served; continue with previous_response_id",
     "prompt": "stored prompt templates are not served; send instructions and input",
 }
@@ -43,6 +42,7 @@ class ResponsesRequest(_NullIsDefault):
     top_p: float | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, Any] | None = None

@@ -19,6 +19,7 @@ from typing import Any
 class StoredResponse:
     response: dict[str, Any]
     conversation: tuple[dict[str, Any], ...]  # chat messages, the response's own output last
+    events: tuple[str, ...] | None = None  # a streamed background response's events, for streaming it again
 
 
 class ResponseStore:

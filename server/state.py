@@ -19,6 +19,7 @@ from radixserve.server.errors import APIError
 from radixserve.server.generation_defaults import sampling_defaults
 from radixserve.server.metrics import Metrics
 from radixserve.server.reasoning import REASONING_PARSERS
+from radixserve.server.responses_background import BackgroundRuns
 from radixserve.server.responses_store import ResponseStore
 from radixserve.server.tokens import TokenNames
 
@@ -45,6 +46,7 @@ class ServerState:
         self.chat_template = load_chat_template(config.chat_template) if config.chat_template else None
         self.reasoning_format = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
         self.responses = ResponseStore(config.responses_store_size)
+        self.background = BackgroundRuns()  # background responses still running (only the event loop's)
         self.metrics = Metrics(self.served_name)
         self.inflight: dict[str, RequestGroup] = {}
         self.created = int(time.time())

@@ -258,10 +258,13 @@ def test_responses_continue_on_the_replica_that_stored_them() -> None:
     """Round robin would alternate; a previous_response_id (learned from a JSON body or the first event of a
     stream) pins the follow-up, and GET of a stored response, to the replica whose store has it."""
 
+    seen_paths: list[str] = []
+
     def replica(name: str) -> Behaviour:
         counter = iter(range(100))
 
         def answer(path: str, headers: Headers) -> FakeUpstream:
+            seen_paths.append(path)
             rid = f"resp_{name}{next(counter)}"
             if path.endswith("/responses") and "stream" in name:
                 event = {"type": "response.created", "response": {"id": rid, "object": "response"}}
@@ -285,6 +288,12 @@ def test_responses_continue_on_the_replica_that_stored_them() -> None:
             follow = client.post("/v1/responses", json={"input": "more", "previous_response_id": rid})
             assert follow.headers[REPLICA_HEADER] == home
         assert client.get(f"/v1/responses/{rid}").headers[REPLICA_HEADER] == home
+        # A background response is streamed again (the query goes along) and cancelled where it runs.
+        again = client.get(f"/v1/responses/{rid}", params={"stream": "true", "starting_after": 3})
+        assert again.headers[REPLICA_HEADER] == home
+        assert seen_paths[-1] == f"/v1/responses/{rid}?stream=true&starting_after=3"
+        assert client.post(f"/v1/responses/{rid}/cancel").headers[REPLICA_HEADER] == home
+        assert seen_paths[-1] == f"/v1/responses/{rid}/cancel"
     assert homes == {"a", "streamb"}
     # Requests that continue nothing still follow the policy, and Messages are routed too.
     seen = {client.post("/v1/responses", json={"input": "x"}).headers[REPLICA_HEADER] for _ in range(4)}

@@ -7,6 +7,7 @@ response can be compared with the same request unstreamed.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Literal
 
@@ -250,5 +251,99 @@ def test_bad_input_is_a_400_in_openai_shape(server: ServerThread, client: openai
         client.responses.create(model="no-such-model", input=QUESTION)
     r = httpx.post(server.url + "/v1/responses", json={"model": MODEL}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
-    r = httpx.post(server.url + "/v1/responses", json={"input": QUESTION, "background": True}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    r = httpx.post(server.url + "/v1/responses", json={"input": QUESTION, "background": True, "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
+STORY = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _settle(client: openai.OpenAI, rid: str, timeout: float = 60.0) -> openai.types.responses.Response:
+    deadline = time.monotonic() + timeout
+    while (resp := client.responses.retrieve(rid)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, resp.status
+        time.sleep(0.1)
+    return resp
+
+
+def _idle(server: ServerThread, timeout: float = 10.0) -> None:
+    """No request left in the engine, and no KV held for one (a cancelled response's request was aborted)."""
+    deadline = time.monotonic() + timeout
+    while (info := httpx.get(server.url + "/server_info").json())["num_running_requests"] or info["kv_cache"][
+        "in_use_tokens"
+    ]:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def test_background_response_is_polled_until_final_then_continued(client: openai.OpenAI) -> None:
+    created = client.responses.create(
+        model=MODEL, input=QUESTION, instructions=BRIEF, max_output_tokens=24, temperature=0, background=True
+    )
+    assert created.status == "queued" and created.background is True and created.output == []
+    done = _settle(client, created.id)
+    assert done.status in ("completed", "incomplete") and done.background is True
+    assert "Paris" in done.output_text and 0 < done.usage.output_tokens <= 24
+    # A final background response is a stored one: cancelling it returns it as it ended; it can be continued.
+    assert client.responses.cancel(created.id).status == done.status
+    follow = client.responses.create(
+        model=MODEL, input="And of Italy?", previous_response_id=created.id, max_output_tokens=8, temperature=0
+    )
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_background_stream_survives_its_client_and_resumes_at_any_event(
+    server: ServerThread, client: openai.OpenAI
+) -> None:
+    stream = client.responses.create(
+        model=MODEL, input=STORY, max_output_tokens=120, temperature=0, background=True, stream=True
+    )
+    head = []
+    for event in stream:
+        head.append(event)
+        if len(head) == 8:
+            break
+    stream.close()  # the client goes away: the response runs on
+    rid = head[0].response.id
+    assert [e.type for e in head[:2]] == ["response.created", "response.in_progress"]
+    assert head[0].response.status == "queued" and head[1].response.status == "in_progress"
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=head[-1].sequence_number))
+    events = head + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text and final.usage.output_tokens > 8
+    assert client.responses.retrieve(rid).output_text == final.output_text
+    # Once final, the whole stream is replayed from the store, from the start when no event is named.
+    replayed = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in replayed] == list(range(len(events)))
+    r = httpx.get(f"{server.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+
+
+def test_cancel_stops_a_background_response_and_frees_its_kv(server: ServerThread, client: openai.OpenAI) -> None:
+    created = client.responses.create(model=MODEL, input=STORY, max_output_tokens=1500, temperature=0, background=True)
+    cancelled = client.responses.cancel(created.id)
+    assert cancelled.status == "cancelled" and cancelled.id == created.id
+    assert all(item.status == "incomplete" for item in cancelled.output)
+    _idle(server)
+    # Cancelling again, and retrieving, give the same final response.
+    again = client.responses.cancel(created.id)
+    assert again.status == "cancelled" and again.output_text == cancelled.output_text
+    assert client.responses.retrieve(created.id).status == "cancelled"
+
+
+def test_only_background_responses_are_cancelled_or_streamed_again(server: ServerThread, client: openai.OpenAI) -> None:
+    plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(plain.id)
+    assert "background" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        list(client.responses.retrieve(plain.id, stream=True))
+    assert err.value.body["param"] == "stream"
+    polled = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=4, background=True)
+    with pytest.raises(openai.BadRequestError):  # created without stream: its events were not kept
+        list(client.responses.retrieve(_settle(client, polled.id).id, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_missing")

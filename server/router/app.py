@@ -7,6 +7,8 @@ Routes:
   * POST /v1/chat/completions, /v1/completions, /generate, /v1/messages, /v1/responses: routed by the policy on
     the request's text, streamed through when the replica streams (``server.router.proxy``); a Responses request
     with ``previous_response_id`` goes to the replica that stored that response;
+  * GET / DELETE /v1/responses/{id} (with its query: a background response streamed again), its /input_items, and
+    POST /v1/responses/{id}/cancel: to the replica that stored (or runs) that response;
   * GET /v1/models, /v1/models/{model}, /server_info, POST /tokenize and /detokenize: from the least loaded
     healthy replica (every replica serves the same model; /server_info is that replica's own engine and cache);
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
@@ -139,9 +141,12 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
             return Response(status_code=CLIENT_CLOSED)
 
     async def _stored(request: Request, method: str, response_id: str, suffix: str = "") -> Response:
-        """A stored response lives on the replica that made it: there, when the router saw it made."""
+        """A stored response lives on the replica that made it: there, when the router saw it made. The query
+        goes along (a background response streamed again: ``?stream=true&starting_after=N``)."""
         forwarder = _state(request).forwarder
         path = f"/v1/responses/{quote(response_id, safe='')}{suffix}"
+        if request.url.query:
+            path += f"?{request.url.query}"
         home = forwarder.response_homes.get(response_id)
         try:
             return await forwarder.forward(request, method, path, b"", None, prefer=home)
@@ -151,6 +156,10 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     @api.get("/v1/responses/{response_id}", summary="A stored response, from the replica that stored it")
     async def get_response(request: Request, response_id: str) -> Response:
         return await _stored(request, "GET", response_id)
+
+    @api.post("/v1/responses/{response_id}/cancel", summary="Cancel a background response, on the replica running it")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await _stored(request, "POST", response_id, "/cancel")
 
     @api.delete("/v1/responses/{response_id}", summary="Delete a stored response, on the replica that stored it")
     async def delete_response(request: Request, response_id: str) -> Response:
