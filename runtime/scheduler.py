@@ -206,24 +206,47 @@ class Scheduler:
         return True
 
     def _preempt_for_priority(self) -> None:
-        """Retract running requests of a worse priority than the best waiting one while it could not be admitted:
-        the running cap is reached, or the KV it needs is not there (see the module docstring). None is retracted
-        when all of them together would not make that room."""
+        """Retract running requests of a worse priority than the waiting request admission tries first, while that
+        one could not be admitted: the running cap is reached, or the KV it needs is not there (see the module
+        docstring). None is retracted when all of them together would not make that room.
+
+        The KV count is exact where requests share a prefix: a slot frees only once every request holding it is
+        retracted (``_freed_slots``), and the part of ``best``'s prompt that a request staying in the batch holds
+        in the tree needs no new KV (admission shares it)."""
         if self.config.schedule_policy != "priority" or not self.waiting or not self.running:
             return
-        best = min(self.waiting, key=lambda r: r.params.priority)
+        best = self._ordered_waiting()[0]  # the one ``_admit`` tries first (it stops at the first that fails)
         worse = sorted((r for r in self.running if r.params.priority > best.params.priority), key=_retraction_order)
         need = self._future_need(best)
 
         def room(freed: list[Req]) -> bool:  # (their KV goes to the tree or the free list: available either way)
             cap = len(self.running) - len(freed) < self.config.max_running_requests
-            kv = self.cache.available() + sum(len(r.slots) for r in freed)
-            return cap and kv - (self._reserved() - sum(self._future_need(r) for r in freed)) >= need
+            kept = [r for r in self.running if r not in freed]
+            kv = self.cache.available() + self._freed_slots(freed, kept)
+            reserved = self._reserved() - sum(self._future_need(r) for r in freed)
+            return cap and kv - reserved >= need - self._held_prefix(best, kept)
 
         if not worse or room([]) or not room(worse):
             return
         while worse and not room([]):
             self._retract(worse.pop(), tighten=False)  # the ratio is the admission's estimate: left as it was
+
+    @staticmethod
+    def _freed_slots(freed: list[Req], kept: list[Req]) -> int:
+        """Slots that retracting ``freed`` makes available: those no request in ``kept`` holds too (requests share
+        slots only through the tree's prefixes)."""
+        if not freed:
+            return 0
+        held = {slot for r in kept for slot in r.slots}
+        return len({slot for r in freed for slot in r.slots} - held)
+
+    @staticmethod
+    def _held_prefix(req: Req, kept: list[Req]) -> int:
+        """Tokens of ``req``'s prompt that a request in ``kept`` holds in the tree (locked: not in ``available()``,
+        and admission shares them rather than allocating)."""
+        tokens = req.cache_ids
+        shared = (min(_common_prefix(tokens, r.cache_ids), len(r.slots), len(r.prompt_ids)) for r in kept)
+        return min(max(shared, default=0), len(tokens) - 1)  # (its last token is always computed)
 
     def _retract(self, victim: Req, tighten: bool = True) -> None:
         """Send ``victim`` back to the head of the queue, its KV cached for the resume. ``tighten``: a retraction
@@ -276,14 +299,18 @@ class Scheduler:
         # waits so that head is computed once.
         in_flight = [c.req.cache_ids for c in extends]  # (a salted prompt shares nothing with another salt's)
         reserved = self._reserved()
+        deferred: int | None = None  # the best priority that waits a step for its shared head
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
+            if deferred is not None and req.params.priority > deferred:
+                break  # the room is kept for the request that waits (it may be what a preemption freed)
             tokens = req.cache_ids
             if self.cache.tree is not None and in_flight:
                 cached = self.cache.peek_prefix_len(tokens)
                 shared = max(_common_prefix(tokens, other) for other in in_flight) - cached
                 if shared >= IN_BATCH_PREFIX_DEFER and 2 * shared >= len(tokens) - cached:
+                    deferred = req.params.priority if deferred is None else deferred
                     continue
             cached = self.cache.admit(req)
             if self.running and self.cache.available() - reserved < self._future_need(req):

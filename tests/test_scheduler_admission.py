@@ -145,3 +145,78 @@ def test_priority_preemption_retracts_no_more_than_it_needs() -> None:
     tight.add(Req("mid-1", _prompt(2, 500), SamplingParams(max_new_tokens=10, priority=1)))
     tight.schedule()
     assert tight.num_retractions == 0 and {r.rid for r in tight.running} == {"big-0", "small-5"}
+
+
+def _step(sched: Scheduler) -> BatchPlan | None:
+    """A step as the engine runs it: computed chunks go to the tree, a sampling chunk appends a token; then the
+    KV accounting check."""
+    plan = sched.schedule()
+    for chunk in plan.chunks if plan else ():
+        chunk.req.num_computed = chunk.end
+        if not chunk.is_decode:
+            sched.cache.cache_prefix(chunk.req)
+        if chunk.sample:
+            chunk.req.output_ids.append(7)
+    sched.cache.check(sched.holders())
+    return plan
+
+
+def _req(rid: str, prompt: list[int], priority: int, max_new: int = 50) -> Req:
+    return Req(rid, prompt, SamplingParams(max_new_tokens=max_new, priority=priority))
+
+
+def test_a_request_retracted_for_an_urgent_one_does_not_take_its_place() -> None:
+    """Priority 1 makes room for A (priority 0), whose prompt continues one being prefilled: A waits a step for
+    that shared head, and the room stays its own. (It went back to the request just retracted, which the next
+    step retracted again.)"""
+    sched = _scheduler(1000, schedule_policy="priority", max_running_requests=2, chunked_prefill_size=64)
+    sched.add(_req("low", _prompt(9, 10), 1))
+    _step(sched)
+    sched.add(_req("head", _prompt(0, 100), 0))
+    _step(sched)
+    sched.add(_req("urgent", [*_prompt(0, 100), 5], 0))
+    for _ in range(3):
+        _step(sched)
+    assert {r.rid for r in sched.running} == {"head", "urgent"}
+    assert [r.num_retractions for r in sched.waiting] == [1]
+
+
+def test_priority_preemption_counts_shared_prefixes_once() -> None:
+    """Prefixes held in the tree for several requests: the urgent request's cached head needs no new KV, so
+    nothing is retracted for it; and retracting two requests that share a head frees that head only if no request
+    staying holds it, so none is retracted when that would not make the room."""
+    system = _prompt(0, 200)
+    sched = _scheduler(500, schedule_policy="priority", chunked_prefill_size=2048)
+    sched.add(_req("head", system, 0, max_new=1))
+    sched.add(_req("low", _prompt(3, 199), 1, max_new=1))
+    for _ in range(2):
+        _step(sched)
+    sched.add(_req("urgent", [*system, *_prompt(5, 20)], 0, max_new=1))  # 99 slots free: its 20 new tokens fit
+    _step(sched)
+    assert sched.num_retractions == 0 and {r.rid for r in sched.running} == {"head", "low", "urgent"}
+
+    sched = _scheduler(500, schedule_policy="priority", chunked_prefill_size=2048)
+    sched.add(_req("head", system, 0, max_new=1))
+    _step(sched)
+    for i in (3, 4):
+        sched.add(_req(f"low{i}", [*system, *_prompt(i, 10)], 1, max_new=1))
+    for _ in range(2):
+        _step(sched)
+    sched.add(_req("big", _prompt(6, 299), 0, max_new=1))  # retracting both lows frees 22 slots, not 299
+    _step(sched)
+    assert sched.num_retractions == 0 and {r.rid for r in sched.running} == {"head", "low3", "low4"}
+
+
+def test_priority_preemption_makes_room_for_the_request_admission_tries_first() -> None:
+    """Admission tries the longest cached prefix first among equal priorities: preemption judges that request,
+    not the first to arrive (which could not fit anyway, and nothing was retracted for either)."""
+    system = _prompt(0, 200)
+    sched = _scheduler(500, schedule_policy="priority", max_running_requests=2, chunked_prefill_size=2048)
+    sched.add(_req("head", system, 0, max_new=1000))
+    sched.add(_req("low", _prompt(3, 50), 1, max_new=1000))
+    _step(sched)
+    sched.add(_req("huge", _prompt(7, 400), 0, max_new=1))
+    sched.add(_req("follow-up", [*system, 1, 2, 3, 4, 5], 0, max_new=1))
+    _step(sched)
+    assert {r.rid for r in sched.running} == {"head", "follow-up"}
+    assert [r.rid for r in sched.waiting] == ["low", "huge"]
