@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from radixserve.runtime import envs
+from radixserve.runtime.lora_spec import parse_lora_modules
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -169,6 +170,10 @@ class EngineConfig:
     grammar_nice: int = _opt(
         19, "Niceness added to a grammar compile still running after 10 ms (Linux): it uses the CPU decoding leaves."
     )
+    lora_modules: tuple[str, ...] = _opt(
+        (),
+        "LoRA adapters to serve, as NAME=PATH (a PEFT adapter folder); a request picks one by its model name.",
+    )
     tp: int = _opt(
         1,
         "Tensor-parallel ranks: attention heads, MLP and vocabulary split over N processes/GPUs.",
@@ -245,6 +250,9 @@ class EngineConfig:
             raise ValueError("--grammar-workers must be >= 1")
         if not 0 <= self.grammar_nice <= 19:
             raise ValueError("--grammar-nice must be between 0 (off) and 19")
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and self.tp > 1:
+            raise ValueError("--lora-modules is not supported with --tp > 1 yet; serve the adapters with --tp 1")
         if self.tp < 1 or self.nnodes < 1:
             raise ValueError("--tp and --nnodes must be >= 1")
         if self.tp % self.nnodes:

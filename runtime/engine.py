@@ -34,6 +34,7 @@ from radixserve.runtime.grammar import GrammarSupport
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
+from radixserve.runtime.lora import load_adapters
 from radixserve.runtime.mapped_weights import WeightMover
 from radixserve.runtime.memory import RESERVE_BYTES, activation_bytes, check_pool_fits, module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
@@ -140,7 +141,8 @@ class Engine(EngineAPI):
             max_bs = config.cuda_graph_max_bs or config.max_running_requests
             graphs = DecodeGraphs(loaded.model, pool, max_bs, self.max_context_len, loaded.device)
             graphs.capture()
-        runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs)
+        loras = load_adapters(config.lora_modules, loaded.model, loaded.dtype, loaded.device)
+        runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs, loras)
         tier = None
         if config.enable_hierarchical_cache:
             layout = (args.num_layers, kv_heads, args.head_dim)

@@ -18,6 +18,7 @@ from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
 from radixserve.runtime.grammar import GrammarViolation, grammar_cut, grammar_failure
 from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.kv_tier import KVTier
+from radixserve.runtime.lora_spec import lora_names
 from radixserve.runtime.model_runner import ModelRunner, PendingStep
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
@@ -42,6 +43,7 @@ class EngineCore:
         drafter: Drafter | None = None,
     ) -> None:
         self.config = config
+        self.lora_names = lora_names(config.lora_modules)  # the adapters a request may name
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -73,7 +75,13 @@ class EngineCore:
     def validate(self, prompt_ids: list[int], params) -> None:
         """Raise ``ValueError`` if the request can never be served; cheap, safe to call from any thread."""
         validate_request(
-            prompt_ids, params, self.vocab_size, self.max_context_len, self.cache.num_slots, self.config.schedule_policy
+            prompt_ids,
+            params,
+            self.vocab_size,
+            self.max_context_len,
+            self.cache.num_slots,
+            self.config.schedule_policy,
+            self.lora_names,
         )
 
     def add(self, req: Req) -> None:

@@ -40,6 +40,7 @@ from radixserve.runtime.engine_api import EngineAPI, Sink, final_output
 from radixserve.runtime.engine_spawn import Spawned, spawn_engine_process
 from radixserve.runtime.errors import EngineDeadError, EngineOverloadedError
 from radixserve.runtime.logs import configure_logging
+from radixserve.runtime.lora_spec import lora_names
 from radixserve.runtime.model_source import model_folder, tokenizer_folder
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class EngineProcess(EngineAPI):
         elif config is not None or overrides:
             raise ValueError("pass either a spawned engine process or its config, not both")
         self.config = spawned.config
+        self.lora_names = lora_names(self.config.lora_modules)
         self._proc = spawned.proc
         self._conn = spawned.conn
         self._send_lock = threading.Lock()
@@ -157,7 +159,13 @@ class EngineProcess(EngineAPI):
             raise EngineDeadError(self.error or "the engine has shut down")
         prompt = [int(t) for t in prompt_ids]
         validate_request(
-            prompt, params, self.vocab_size, self.max_context_len, self.kv_total_tokens, self.config.schedule_policy
+            prompt,
+            params,
+            self.vocab_size,
+            self.max_context_len,
+            self.kv_total_tokens,
+            self.config.schedule_policy,
+            self.lora_names,
         )
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:

@@ -26,6 +26,7 @@ from radixserve.runtime.transfer import tensor_on
 
 if TYPE_CHECKING:
     from radixserve.runtime.cuda_graph import DecodeGraphs
+    from radixserve.runtime.lora import LoRABatch, LoRAs
 
 
 class CausalLM(Protocol):
@@ -55,9 +56,11 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         graphs: DecodeGraphs | None = None,
+        loras: LoRAs | None = None,
     ) -> None:
         self.model = model
         self.graphs = graphs  # CUDA: plain decode steps replay a captured graph
+        self.loras = loras  # the served LoRA adapters (--lora-modules), None without
         self.pool = pool
         self.backend = backend
         self.sampler = sampler
@@ -84,11 +87,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, plan: BatchPlan) -> StepResult:
-        if self.graphs is not None and self.graphs.fits(plan):
+        lora = self._lora_batch(plan)
+        if lora is None and self.graphs is not None and self.graphs.fits(plan):
             hidden = self.graphs.run(plan)
         else:
             input_ids, positions, meta = self.build_metadata(plan)
-            hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend))
+            hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend, lora))
 
         n = len(plan.chunks)
         next_tokens: list[int | None] = [None] * n
@@ -155,8 +159,18 @@ class ModelRunner:
 
     def can_launch(self, reqs: list[Req]) -> bool:
         """Whether a decode step of ``reqs`` (one token each) can be launched without waiting (``launch``): it
-        replays a captured graph and every row takes its argmax."""
-        return self.graphs is not None and 0 < len(reqs) <= self.graphs.max_bs and self.sampler.argmax_only(reqs)
+        replays a captured graph, every row takes its argmax and none runs with an adapter."""
+        return (
+            self.graphs is not None
+            and 0 < len(reqs) <= self.graphs.max_bs
+            and self.sampler.argmax_only(reqs)
+            and not any(r.params.lora_name for r in reqs)
+        )
+
+    def _lora_batch(self, plan: BatchPlan) -> LoRABatch | None:
+        if self.loras is None:
+            return None
+        return self.loras.batch([c.req.params.lora_name for c in plan.chunks], [c.num_tokens for c in plan.chunks])
 
     @torch.inference_mode()
     def launch(self, plan: BatchPlan, tokens: torch.Tensor | None = None) -> PendingStep:

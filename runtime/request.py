@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,9 +53,10 @@ SALTED_IDS = 1 << 32
 
 
 @functools.lru_cache(maxsize=4096)
-def salt_offset(salt: str) -> int:
-    """What a salt adds to token ids in the radix tree: a 64-bit hash of it, times ``SALTED_IDS`` (non-zero)."""
-    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"radixsalt").digest()
+def salt_offset(namespace: tuple[str | None, str | None]) -> int:
+    """What a cache namespace (``SamplingParams.cache_namespace``: a cache_salt, an adapter) adds to token ids in the
+    radix tree: a 64-bit hash of it, times ``SALTED_IDS`` (non-zero)."""
+    digest = hashlib.blake2b(json.dumps(namespace).encode(), digest_size=8, person=b"radixsalt").digest()
     return (int.from_bytes(digest, "little") | 1) * SALTED_IDS
 
 
@@ -112,7 +114,7 @@ class Req:
         # KV tier: chain keys of the complete chunks of ``all_ids`` hashed so far (``all_ids`` only grows, so they stay
         # valid); owned by ``KVCacheManager``, which extends them instead of hashing the prompt at every admission.
         self.tier_keys: list[str] = []
-        self._salted_prompt: list[int] | None = None  # ``cache_ids`` of the prompt, with a cache_salt
+        self._salted_prompt: list[int] | None = None  # ``cache_ids`` of the prompt, in a cache namespace
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None
@@ -140,12 +142,14 @@ class Req:
 
     @property
     def cache_ids(self) -> list[int]:
-        """The ids the radix tree keys this request's KV by: ``all_ids``, or with a ``cache_salt`` each id moved
-        above every token id by the salt's hash, so that requests with other salts (or none) share no cached
-        prefix with it, and cannot time one (vLLM's ``cache_salt``)."""
-        if self.params.cache_salt is None:
+        """The ids the radix tree keys this request's KV by: ``all_ids``, or in a cache namespace (a ``cache_salt``,
+        a LoRA adapter: ``SamplingParams.cache_namespace``) each id moved above every token id by the namespace's
+        hash, so that requests of other namespaces (or none) share no cached prefix with it, and cannot time one
+        (vLLM's ``cache_salt``)."""
+        namespace = self.params.cache_namespace
+        if namespace is None:
             return self.all_ids
-        offset = salt_offset(self.params.cache_salt)
+        offset = salt_offset(namespace)
         if self._salted_prompt is None:  # the prompt never changes: moved once
             self._salted_prompt = [t + offset for t in self.prompt_ids]
         return self._salted_prompt + [t + offset for t in self.output_ids]

@@ -55,8 +55,19 @@ class SamplingParams:
     priority: int = 0
     # vLLM's cache_salt: requests share cached prefixes (and their timing) only with requests of the same salt.
     cache_salt: str | None = None
+    # The LoRA adapter to run with (``--lora-modules``), by name; None: the base model.
+    lora_name: str | None = None
     # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.
     constraint: ConstraintSpec | None = None
+
+    @property
+    def cache_namespace(self) -> tuple[str | None, str | None] | None:
+        """What keeps this request's cached KV apart (``Req.cache_ids``): its cache_salt and its adapter (an
+        adapter's KV differs from the base model's for the same tokens); None: the shared base-model cache. A pair,
+        so that no salt can name an adapter's namespace."""
+        if self.cache_salt is None and self.lora_name is None:
+            return None
+        return (self.cache_salt, self.lora_name)
 
     @property
     def greedy(self) -> bool:

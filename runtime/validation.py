@@ -3,6 +3,8 @@ engine process (which refuses at once, without a round trip)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from radixserve.runtime.sampling_params import SamplingParams
 
 
@@ -13,9 +15,14 @@ def validate_request(
     max_context_len: int,
     kv_slots: int,
     schedule_policy: str = "lpm",
+    lora_names: Collection[str] = (),
 ) -> None:
-    """Raise ``ValueError`` (a message fit for an API client) if the request can never be served."""
+    """Raise ``ValueError`` (a message fit for an API client) if the request can never be served. ``lora_names``:
+    the adapters served (``--lora-modules``)."""
     params.validate(vocab_size)
+    if params.lora_name is not None and params.lora_name not in lora_names:
+        served = f"it serves {', '.join(sorted(lora_names))}" if lora_names else "it serves none (--lora-modules)"
+        raise ValueError(f"no LoRA adapter is named {params.lora_name!r} on this server; {served}")
     if params.priority != 0 and schedule_policy != "priority":
         # As vLLM: a priority that nothing reads would be a promise the server does not keep.
         raise ValueError("priority needs a server started with --schedule-policy priority; leave it out (or 0)")

@@ -66,7 +66,7 @@ async def create_message(body: MessagesRequest, request: Request, state: StateDe
         return SSEResponse(_stream(run, state, mid), on_error=lambda exc: [_error_event(exc)])
     choice = (await collect(run, request))[0]
     res = choice.result
-    message = _message(mid, state, _usage(res.prompt_tokens, res.cached_tokens, res.completion_tokens))
+    message = _message(mid, run.model, _usage(res.prompt_tokens, res.cached_tokens, res.completion_tokens))
     message["content"] = _content(choice)
     message["stop_reason"], message["stop_sequence"] = _stop(choice.finish_reason, res.matched_stop)
     return message
@@ -81,12 +81,12 @@ async def count_tokens(body: CountTokensRequest, state: StateDep):
     return {"input_tokens": len(encode(engine.tokenizer, text, add_special_tokens=False))}
 
 
-def _message(mid: str, state: ServerState, usage: dict[str, Any]) -> dict[str, Any]:
+def _message(mid: str, model: str, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": mid,
         "type": "message",
         "role": "assistant",
-        "model": state.served_name,
+        "model": model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
@@ -165,7 +165,7 @@ async def _stream(run: ChatRun, state: ServerState, mid: str) -> AsyncIterator[s
             if not started:  # sent with the first output, whose usage says how much of the prompt was cached
                 first = event.output
                 assert first is not None
-                start_msg = _message(mid, state, _usage(first.prompt_tokens, first.cached_tokens, 0))
+                start_msg = _message(mid, run.model, _usage(first.prompt_tokens, first.cached_tokens, 0))
                 out += [sse_event("message_start", {"type": "message_start", "message": start_msg})]
                 out += [sse_event("ping", {"type": "ping"})]
                 started = True

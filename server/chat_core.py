@@ -91,6 +91,7 @@ class ChatRun:
     id: str
     created: int
     prompt_tokens: int
+    model: str  # the name responses report: the served name, or the LoRA adapter the request named
 
     @property
     def n(self) -> int:
@@ -173,7 +174,7 @@ def check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None,
 
 async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_param: str = "messages") -> ChatRun:
     """Validate, render and submit ``body``; every client mistake is an ``APIError`` before anything runs."""
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     engine = state.ready_engine()
     constraint, forced = check_options(body)
     text, parse_tools = state.render_chat(body)
@@ -204,6 +205,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
         constraint=constraint.spec if constraint is not None else None,
         defaults=state.sampling_defaults,
         tokenizer=engine.tokenizer,
+        lora_name=lora,
     )
     await compile_constraints(engine, state.metrics, [constraint])
     cid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -211,7 +213,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_par
     group.submit([(prompt_ids, p, f"{cid}-{i}") for i, p in enumerate(params)])
     names = frozenset(t.function.name for t in body.tools or []) if parse_tools and not forced else frozenset()
     tools = ToolOutput(names, forced, bare_json=not union, parallel=body.parallel_tool_calls is not False)
-    return ChatRun(group, tools, thinking, cid, int(time.time()), len(prompt_ids))
+    return ChatRun(group, tools, thinking, cid, int(time.time()), len(prompt_ids), lora or state.served_name)
 
 
 # ------------------------------------------------------------------------------------------------ reading

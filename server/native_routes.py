@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -101,6 +102,15 @@ def _result(
     return {"text": res.text, "output_ids": list(res.token_ids), "meta_info": meta}
 
 
+def _loras(body: GenerateRequest, n: int) -> list[str | None]:
+    """Each prompt's adapter (SGLang's ``lora_path``: one name for all, or one per prompt)."""
+    if not isinstance(body.lora_path, list):
+        return [body.lora_path] * n
+    if len(body.lora_path) != n:
+        raise bad_request(f"{len(body.lora_path)} lora_path entries for {n} prompts", "lora_path")
+    return list(body.lora_path)
+
+
 @router.post("/generate", summary="Generate from text or token ids (SGLang-compatible)")
 async def generate(body: GenerateRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/generate")
@@ -121,6 +131,8 @@ async def generate(body: GenerateRequest, request: Request, state: StateDep):
         )
         for i in range(len(prompts))
     ]
+    for i, lora in enumerate(_loras(body, len(prompts))):
+        params[i] = replace(params[i], lora_name=lora)
     rids = _rids(body, len(prompts), single)
     raws = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
     constraints = [native_constraint(raw or {}) for raw, p in zip(raws, params) if p.constraint is not None]

@@ -53,7 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         "id": run.id,
         "object": "chat.completion",
         "created": run.created,
-        "model": state.served_name,
+        "model": run.model,
         "choices": [_choice(c, body, state) for c in choices],
         "usage": usage(results[0].prompt_tokens, sum(r.completion_tokens for r in results), results[0].cached_tokens),
     }
@@ -91,7 +91,7 @@ async def _stream(run: ChatRun, body: ChatCompletionRequest, state: ServerState)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
         return stream_chunk(
-            run.id, "chat.completion.chunk", run.created, state.served_name, choices, usage_, include_usage
+            run.id, "chat.completion.chunk", run.created, run.model, choices, usage_, include_usage
         )
 
     def delta(index: int, d: dict[str, Any], logprobs: Any = None, reason: str | None = None, out: Any = None) -> str:

@@ -73,7 +73,7 @@ def _prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[tu
 @router.post("/v1/completions", summary="Create a text completion (OpenAI-compatible)")
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/v1/completions")
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     engine = state.ready_engine()
     constraint = at_most_one([*body_constraints(body), response_format_constraint(body.response_format)])
     if body.suffix:
@@ -105,6 +105,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
             constraint=constraint.spec if constraint is not None else None,
             defaults=state.sampling_defaults,
             tokenizer=engine.tokenizer,
+            lora_name=lora,
         )
         requests.extend((ids, sp, f"{cid}-{p * body.n + j}") for j, sp in enumerate(params))
     await compile_constraints(engine, state.metrics, [constraint])
@@ -112,7 +113,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     group.submit(requests)
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(group, body, state, prompts, cid, created))
+        return SSEResponse(_stream(group, body, state, prompts, cid, created, lora or state.served_name))
     results = await group.collect(request)
     choices = []
     for i, res in enumerate(results):
@@ -122,7 +123,7 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         "id": cid,
         "object": "text_completion",
         "created": created,
-        "model": state.served_name,
+        "model": lora or state.served_name,
         "choices": choices,
         "usage": _usage(results, body.n),
     }
@@ -173,6 +174,7 @@ async def _stream(
     prompts: list[tuple[list[int], str]],
     cid: str,
     created: int,
+    model: str,
 ) -> AsyncIterator[str]:
     names = state.token_names
     assert names is not None
@@ -180,7 +182,7 @@ async def _stream(
     include_usage, continuous = usage_in_stream(body.stream_options)
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
-        return stream_chunk(cid, "text_completion", created, state.served_name, choices, usage_, include_usage)
+        return stream_chunk(cid, "text_completion", created, model, choices, usage_, include_usage)
 
     finals: list[ReqOutput | None] = [None] * len(group.rids)
     try:

@@ -78,7 +78,7 @@ class _Turn:
             "incomplete_details": None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": state.served_name,
+            "model": self.run.model if self.run is not None else state.served_name,
             "output": output,
             "parallel_tool_calls": bool(body.parallel_tool_calls) if body.parallel_tool_calls is not None else True,
             "previous_response_id": body.previous_response_id,

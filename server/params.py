@@ -120,10 +120,12 @@ def openai_params(
     constraint: ConstraintSpec | None = None,
     defaults: dict[str, Any] | None = None,
     tokenizer: Any = None,
+    lora_name: str | None = None,
 ) -> list[SamplingParams]:
     """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
     carries ``constraint``. ``defaults`` (the model's generation config) fill the sampling parameters the request
-    did not send. ``tokenizer`` turns ``bad_words`` into token sequences."""
+    did not send. ``tokenizer`` turns ``bad_words`` into token sequences. ``lora_name``: the adapter the request's
+    ``model`` names."""
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
     if req.min_tokens > max_new_tokens:
@@ -149,6 +151,7 @@ def openai_params(
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         bad_words_ids=bad_words_ids(req.bad_words, tokenizer),
         cache_salt=req.cache_salt,
+        lora_name=lora_name,
         priority=req.priority,
         constraint=constraint,
     )

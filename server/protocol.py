@@ -233,6 +233,9 @@ class GenerateRequest(_NullIsDefault):
         None, description="Not read here: the text a router in front routes an input_ids request by (no tokenizer)."
     )
     priority: int | None = Field(None, description="With --schedule-policy priority: lower runs first.")
+    lora_path: str | list[str | None] | None = Field(
+        None, description="The LoRA adapter (its --lora-modules name) to run with; a list: one per prompt (SGLang's)."
+    )
 
 
 class AbortRequest(_Lenient):

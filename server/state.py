@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from radixserve.runtime.lora_spec import lora_names
 from radixserve.server.chat import render_chat
 from radixserve.server.config import ServerConfig, default_served_name, load_chat_template
 from radixserve.server.errors import APIError
@@ -129,13 +130,23 @@ class ServerState:
         assert self._engine is not None
         return self._engine
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is the served name or the --model spec (or left out)."""
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served (``--lora-modules``): each is a model name of its own."""
+        config = getattr(self._engine, "config", None)
+        return lora_names(config.lora_modules) if config is not None else ()
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 unless ``model`` is the served name, the
+        --model spec, an adapter's name (or left out)."""
         if model is None or model in self.served_names or model == self.model_spec:
-            return
+            return None
+        if model in self.lora_names:
+            return model
+        adapters = f" and the LoRA adapters {', '.join(map(repr, self.lora_names))}" if self.lora_names else ""
         raise APIError(
             404,
-            f"the model {model!r} does not exist on this server; it serves {self.served_name!r}",
+            f"the model {model!r} does not exist on this server; it serves {self.served_name!r}{adapters}",
             param="model",
             code="model_not_found",
         )

@@ -71,9 +71,12 @@ def test_a_salted_prefix_is_not_written_to_the_tier(tiny_model_dir: Path, tmp_pa
 
 
 def test_salted_ids_never_meet_token_ids() -> None:
-    for salt in ("a", "b", "x" * 200):
-        assert salt_offset(salt) >= SALTED_IDS and salt_offset(salt) % SALTED_IDS == 0
-    assert salt_offset("a") != salt_offset("b")
+    for namespace in (("a", None), ("b", None), ("x" * 200, None), (None, "adapter"), ("a", "adapter")):
+        assert salt_offset(namespace) >= SALTED_IDS and salt_offset(namespace) % SALTED_IDS == 0
+    assert salt_offset(("a", None)) != salt_offset(("b", None))
+    # No salt names an adapter's namespace (the salt is any string a client sends).
+    assert salt_offset(("\x00lora:adapter", None)) != salt_offset((None, "adapter"))
+    assert salt_offset(("a", "adapter")) not in (salt_offset(("a", None)), salt_offset((None, "adapter")))
 
 
 def test_cache_salt_over_http(tiny_model_dir: Path) -> None:

@@ -143,6 +143,8 @@ class ForwardContext:
     meta: AttentionMetadata
     pool: KVPool
     backend: AttentionBackend
+    # The step's LoRA rows (``runtime.lora.LoRABatch``), None when no row uses an adapter.
+    lora: Any = None
     _state: Any = field(default=None, init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
 

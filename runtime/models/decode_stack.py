@@ -7,7 +7,8 @@ the reference and the path for everything the stack does not cover.
 
 It applies to a step when all of these hold, checked per step (``stack_for``):
 
-* every row is a decode row and the compiled CPU decode-attention kernel attends them (``kernel_decode_rows``);
+* every row is a decode row and the compiled CPU decode-attention kernel attends them (``kernel_decode_rows``), and
+  no row runs with a LoRA adapter;
 * the model is the plain shared decoder: no q/k norms, full-width RoPE, no windows, attention scales, soft-capping,
   sandwich norms, GELU or routed experts, no forward hooks (tensor parallelism's all-reduces);
 * every projection runs on a kernel the stack can call at this many rows: packed GGUF blocks (``quant_packed``),
@@ -58,7 +59,7 @@ def suspend(model: nn.Module) -> None:
 def stack_for(model: nn.Module, residual: torch.Tensor, ctx: ForwardContext) -> tuple[Any, KernelRows] | None:
     """(stack, (slots, lens, groups)) when this step (its embeddings ``residual``) can run on the stack (see the
     module doc), else None."""
-    if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu":
+    if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu" or ctx.lora is not None:
         return None
     built = model.__dict__.get(_ATTR, False)
     if built is False:

@@ -100,6 +100,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            qkv = ctx.lora.apply(self.layer, "qkv_proj", x, qkv)
         qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
         if self.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
@@ -110,19 +112,31 @@ class Attention(nn.Module):
         else:
             fused.rope_(qk[..., : self.rotary_dim], *rope)
         v = qkv[:, (h + hkv) * d :].view(t, hkv, d)
-        o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v, self.options)
-        return self.o_proj(o.reshape(t, h * d))
+        o = ctx.attend(self.layer, qk[:, :h], qk[:, h:], v, self.options).reshape(t, h * d)
+        if ctx.lora is not None:
+            return ctx.lora.apply(self.layer, "o_proj", o, self.o_proj(o))
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, width: int | None = None) -> None:
+    def __init__(self, args: ModelArgs, width: int | None = None, layer: int = -1) -> None:
         super().__init__()
+        self.layer = layer  # (-1: a routed expert, which no adapter reaches)
         width = width or args.intermediate_size
         self.gate_up_proj = MergedLinear(args.hidden_size, {"gate_proj": width, "up_proj": width}, bias=False)
         self.down_proj = Linear(width, args.hidden_size, bias=False)
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        """``lora``: the step's ``LoRABatch`` (None: no row uses an adapter)."""
+        if lora is not None:
+            gate_up = lora.apply(self.layer, "gate_up_proj", x, self.gate_up_proj(x))
+            if self.gelu:
+                gate, up = gate_up.chunk(2, dim=-1)
+                h = F.gelu(gate, approximate="tanh") * up
+            else:
+                h = fused.silu_mul(gate_up)
+            return lora.apply(self.layer, "down_proj", h, self.down_proj(h))
         if self.gelu:  # Gemma
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -140,7 +154,8 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts))
         self.top_k, self.normalize = args.experts_per_token, args.norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        del lora  # (adapters for routed experts are refused when they load)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.normalize:
@@ -164,7 +179,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer)
-        self.mlp = SparseMoE(args) if args.sparse(layer) else MLP(args)
+        self.mlp = SparseMoE(args) if args.sparse(layer) else MLP(args, layer=layer)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.sandwich = args.sandwich_norms
@@ -181,9 +196,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             a = self.post_attention_layernorm(self.self_attn(h, rope, ctx))
             h = self.pre_feedforward_layernorm.add_forward(a, residual)
-            return self.post_feedforward_layernorm(self.mlp(h))
+            return self.post_feedforward_layernorm(self.mlp(h, ctx.lora))
         h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, ctx), residual)
-        return self.mlp(h)
+        return self.mlp(h, ctx.lora)
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,148 @@
+"""LoRA adapters (``--lora-modules``) against PEFT's own model on the same weights: greedy tokens at float32.
+
+Adapters are made by PEFT itself (``init_lora_weights=False`` draws B at random, so each adapter changes the
+output) and saved in its format; the engine must load them as PEFT runs them, per request, with rows of other
+adapters and of the base model in the same step, and keep each adapter's cached KV apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.lora_spec import parse_lora_modules
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
+
+MAX_NEW = 12
+PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [250, 3, 77]]
+ADAPTERS = {
+    # Every projection, rank 8.
+    "every": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"]),  # fmt: skip
+    # Some parts of the merged projections only, rsLoRA scaling, and a per-module alpha.
+    "some": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], use_rslora=True,
+                 alpha_pattern={"up_proj": 2}),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for seed, (name, options) in enumerate(ADAPTERS.items()):
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(base, LoraConfig(init_lora_weights=False, **options))
+        out[name] = tmp_path_factory.mktemp(f"lora-{name}")
+        model.save_pretrained(str(out[name]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, adapters: dict[str, Path]) -> Iterator[Engine]:
+    modules = tuple(f"{name}={path}" for name, path in adapters.items())
+    eng = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=4096, lora_modules=modules)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+@torch.inference_mode()
+def _peft_greedy(tiny_model_dir: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter))
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _params(lora: str | None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, lora_name=lora)
+
+
+def test_each_adapter_decodes_as_peft_and_they_share_a_batch(
+    engine: Engine, tiny_model_dir: Path, adapters: dict[str, Path]
+) -> None:
+    names = [None, "every", "some"]
+    want = {(n, i): _peft_greedy(tiny_model_dir, adapters[n] if n else None, p) for n in names
+            for i, p in enumerate(PROMPTS)}  # fmt: skip
+    assert want[("every", 0)] != want[(None, 0)] and want[("some", 0)] != want[(None, 0)]  # the adapters act
+    # One at a time, then all nine together (prefill and decode steps that mix adapters and the base model).
+    for (name, i), tokens in want.items():
+        assert engine.generate(input_ids=PROMPTS[i], sampling_params=_params(name))["output_ids"] == tokens
+    keys = list(want)
+    together = engine.generate(input_ids=[PROMPTS[i] for _, i in keys], sampling_params=[_params(n) for n, _ in keys])
+    assert [r["output_ids"] for r in together] == [want[k] for k in keys]
+    engine.check_kv()
+
+
+def test_an_adapter_never_reads_another_ones_cached_prefix(engine: Engine) -> None:
+    prompt = list(range(40, 90))
+    first = engine.generate(input_ids=prompt, sampling_params=_params("every"))
+    again = engine.generate(input_ids=prompt, sampling_params=_params("every"))
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1
+    for other in (None, "some"):
+        res = engine.generate(input_ids=prompt, sampling_params=_params(other))
+        assert res["meta_info"]["cached_tokens"] == 0, other
+    assert again["output_ids"] == first["output_ids"]
+
+
+def test_unknown_adapters_and_bad_folders_are_clear_errors(
+    engine: Engine, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(ValueError, match="no LoRA adapter is named 'nope'.*every, some"):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=_params("nope"))
+    with pytest.raises(ValueError, match="expected NAME=PATH"):
+        parse_lora_modules(["just-a-path"])
+    with pytest.raises(ValueError, match="given twice"):
+        parse_lora_modules(["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=512, lora_modules=(f"x={tmp_path}",))
+
+
+def test_a_client_picks_an_adapter_by_its_model_name(engine: Engine) -> None:
+    """As vLLM serves them: each adapter is a model of its own in /v1/models (its parent the base model), and the
+    OpenAI ``model`` field (SGLang's ``lora_path`` on /generate) runs a request with it."""
+    with ServerThread(create_app(engine, ServerConfig(served_model_name="tiny"))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"tiny", "every", "some"}
+        assert cards["every"].parent == "tiny" and cards["tiny"].parent is None
+        assert client.models.retrieve("some").id == "some"
+        for name in (None, "every", "some"):
+            want = engine.generate(input_ids=PROMPTS[0], sampling_params=_params(name))["output_ids"]
+            got = client.completions.create(
+                model=name or "tiny", prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, logprobs=0,
+            )  # fmt: skip
+            assert got.model == (name or "tiny")
+            assert [int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens] == want
+            native = httpx.post(
+                srv.url + "/generate",
+                json={"input_ids": PROMPTS[0], "lora_path": name, "sampling_params": _native()},
+            ).json()
+            assert native["output_ids"] == want
+        chat = client.chat.completions.create(
+            model="every", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
+        assert chat.model == "every"
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model="nope", prompt="x", max_tokens=2)
+        assert "'every', 'some'" in err.value.body["message"]
+        bad = httpx.post(srv.url + "/generate", json={"text": "x", "lora_path": "nope", "sampling_params": _native()})
+        assert bad.status_code == 400 and "no LoRA adapter is named 'nope'" in bad.json()["error"]["message"]
+
+
+def _native() -> dict:
+    return {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
