@@ -28,7 +28,7 @@ from radixserve.server import (
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import install_error_handlers
 from radixserve.server.http_compat import install_http_compat
-from radixserve.server.lifecycle import drain_on_exit
+from radixserve.server.lifecycle import drain_on_exit, finish_background
 from radixserve.server.limits import RequestLimits
 from radixserve.server.request_id import RequestIdMiddleware
 from radixserve.server.state import EngineFactory, ServerState
@@ -68,6 +68,7 @@ def create_app(
             yield
         finally:
             announcer.cancel()
+            await finish_background(state)
             drainer.cancel()
             state.shutdown()
 

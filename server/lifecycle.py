@@ -8,8 +8,10 @@ On SIGTERM (or anything that sets uvicorn's ``should_exit``), uvicorn and the ap
   3. requests in flight keep running for up to ``--shutdown-grace-period`` seconds; those still unfinished then
      are aborted, so a stream ends with finish_reason "abort" and [DONE], and a non-streaming call returns what
      was generated, with finish_reason "abort";
-  4. once every connection has closed, the lifespan shutdown stops the engine (when the app built it) and the
-     process exits with status 0.
+  4. once every connection has closed, background Responses (``background: true``, which outlive their
+     connections) get what is left of the grace period, then their requests are aborted, so each ends
+     ``incomplete`` and stored (``finish_background``);
+  5. the lifespan shutdown stops the engine (when the app built it) and the process exits with status 0.
 uvicorn's ``timeout_graceful_shutdown`` is the grace period plus a margin: a backstop that cancels whatever is
 left, never the normal path.
 """
@@ -48,6 +50,7 @@ async def drain_on_exit(state: ServerState) -> None:
     state.draining = True
     loop = asyncio.get_running_loop()
     grace = state.config.shutdown_grace_period
+    state.drain_deadline = loop.time() + grace
     if state.inflight:
         logger.info("shutting down: %d requests in flight get up to %g s to finish", len(state.inflight), grace)
     else:
@@ -65,3 +68,28 @@ async def drain_on_exit(state: ServerState) -> None:
                 engine.abort(rid)
             aborted.update(late)
         await asyncio.sleep(DRAIN_POLL_S)
+
+
+async def finish_background(state: ServerState) -> None:
+    """At the lifespan's end (every connection closed): let background responses run until the grace period ends,
+    then abort their requests (each ends ``incomplete`` and is stored), and stop any run still left."""
+    runs = state.background
+    if not len(runs):
+        return
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    if state.drain_deadline is None:
+        state.drain_deadline = loop.time() + state.config.shutdown_grace_period
+    logger.info("shutting down: %d background responses get until the grace period ends", len(runs))
+    while len(runs) and loop.time() < state.drain_deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    engine = state.engine
+    if len(runs) and engine is not None:
+        logger.warning("shutdown grace period over: aborting %d background responses", len(runs))
+        for rid in list(state.inflight):
+            engine.abort(rid)
+        settle = loop.time() + SHUTDOWN_MARGIN_S
+        while len(runs) and loop.time() < settle:
+            await asyncio.sleep(DRAIN_POLL_S)
+    for run in runs.running():
+        await run.cancel()

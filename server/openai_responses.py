@@ -23,6 +23,7 @@ checks it); the streamed deltas of an item joined equal its text or arguments in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import time
@@ -142,7 +143,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     turn = await _start(body, state)
     assert turn.run is not None
     if body.background:
-        run = BackgroundRun(turn.id, lambda: turn.envelope(state, turn.status, turn.emitter.items), body.stream)
+        render = lambda: turn.envelope(state, turn.status, turn.emitter.items)  # noqa: E731
+        run = BackgroundRun(turn.id, render, body.stream, abandon=lambda: _abandon(turn, state))
         state.background.start(run, lambda run: _run_in_background(turn, state, run))
         if body.stream:
             return SSEResponse(run.follow(None), on_error=lambda exc: [error_event(exc, 0)])
@@ -271,8 +273,8 @@ def _logprobs(turn: _Turn, lps: Any, state: ServerState) -> list[dict[str, Any]]
 
 def _usage(res: Any, reasoning: str | None, state: ServerState) -> dict[str, Any]:
     thought = 0
-    if reasoning:
-        engine = state.ready_engine()
+    engine = state.engine  # (not ready_engine: a response that ends while the server drains is still counted)
+    if reasoning and engine is not None:
         thought = min(res.completion_tokens, len(engine.tokenizer.encode(reasoning, add_special_tokens=False)))
     return {
         "input_tokens": res.prompt_tokens,
@@ -317,15 +319,29 @@ def _assistant_message(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _failed(turn: _Turn, state: ServerState, error: APIError) -> dict[str, Any]:
-    details = {"code": str(error.code or error.status), "message": error.message}
-    return turn.envelope(state, "failed", turn.emitter.items, error=details)
+    """The response a failure ended, its ``error.code`` one of OpenAI's (``ResponseError``)."""
+    code = "rate_limit_exceeded" if error.status == 429 else "invalid_prompt" if error.status < 500 else "server_error"
+    return turn.envelope(state, "failed", turn.emitter.items, error={"code": code, "message": error.message})
+
+
+def _abandon(turn: _Turn, state: ServerState) -> dict[str, Any]:
+    """A background response cancelled before its task ever ran: its requests stopped, stored ``cancelled``."""
+    assert turn.run is not None
+    turn.run.group.close()
+    turn.emitter.close_all("incomplete")
+    response = turn.envelope(state, "cancelled", turn.emitter.items)
+    turn.status = "cancelled"
+    _store(turn, state, response)
+    return response
 
 
 # ------------------------------------------------------------------------------------------------ streaming
 async def _stream(turn: _Turn, state: ServerState) -> AsyncIterator[str]:
-    async for lines in _turn_events(turn, state, background=False):
-        for line in lines:
-            yield line
+    # Closing this stream closes the events at once (their ``finally`` aborts the request), not at collection.
+    async with contextlib.aclosing(_turn_events(turn, state, background=False)) as bursts:
+        async for lines in bursts:
+            for line in lines:
+                yield line
 
 
 async def _turn_events(turn: _Turn, state: ServerState, background: bool) -> AsyncIterator[list[str]]:
@@ -379,15 +395,18 @@ async def _run_in_background(turn: _Turn, state: ServerState, run: BackgroundRun
             run.publish(lines)
         if turn.final is not None:
             response = turn.final
-        else:
+        else:  # the engine failed it (the stream has the error event): the stream ends with the failed response
+            run.publish(em.close_all("incomplete"))
             response = _failed(turn, state, turn.error or APIError(500, "the engine ended the request without output"))
-    except asyncio.CancelledError:  # POST .../cancel (or the server's loop shutting down)
+            run.publish([em.event("response.failed", response=response)])
+    except asyncio.CancelledError:  # POST .../cancel (or the server's loop shutting down): no event says it
         run.publish(em.close_all("incomplete"))
         response = turn.envelope(state, "cancelled", em.items)
     except Exception as exc:  # noqa: BLE001 - a background response must end final, never stay in_progress
         logger.exception("background response %s failed", turn.id)
-        run.publish([em.error(exc)])
+        run.publish([em.error(exc), *em.close_all("incomplete")])
         response = _failed(turn, state, internal_error(exc))
+        run.publish([em.event("response.failed", response=response)])
     turn.status = response["status"]
     _store(turn, state, response, run.events if run.keep_events else None)
     run.finish(response)

@@ -13,7 +13,6 @@ Invariants: a run's ``events[i]`` is the event whose ``sequence_number`` is ``i`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -25,9 +24,16 @@ class BackgroundRun:
     ``queued`` or ``in_progress``, the output made so far); ``keep_events`` (it was created with ``stream: true``)
     keeps its events for replay."""
 
-    def __init__(self, response_id: str, render: Callable[[], dict[str, Any]], keep_events: bool) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        render: Callable[[], dict[str, Any]],
+        keep_events: bool,
+        abandon: Callable[[], dict[str, Any]],
+    ) -> None:
         self.id = response_id
         self.render = render
+        self.abandon = abandon  # stops the requests and stores the response ``cancelled``, for a task that never ran
         self.keep_events = keep_events
         self.events: list[str] = []
         self.final: dict[str, Any] | None = None
@@ -69,11 +75,11 @@ class BackgroundRun:
             await changed.wait()
 
     async def cancel(self) -> None:
-        """Stop the run (its engine requests are aborted) and wait until it has recorded its final response."""
+        """Stop the run (its engine requests are aborted) and wait until it has recorded its final response. (A
+        caller cancelled meanwhile is cancelled, as ever; the run still ends on its own.)"""
         if self.task is not None and not self.task.done():
             self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+            await asyncio.wait({self.task})
 
 
 class BackgroundRuns:
@@ -86,7 +92,15 @@ class BackgroundRuns:
         """Run ``work(run)`` as a task of the event loop; the run is listed until the task ends."""
         self._runs[run.id] = run
         run.task = asyncio.ensure_future(work(run))
-        run.task.add_done_callback(lambda _: self._runs.pop(run.id, None))
+        run.task.add_done_callback(lambda _: self._ended(run))
+
+    def _ended(self, run: BackgroundRun) -> None:
+        if run.final is None:  # cancelled before it ever ran: nothing of it recorded the end
+            run.finish(run.abandon())
+        self._runs.pop(run.id, None)
+
+    def running(self) -> list[BackgroundRun]:
+        return list(self._runs.values())
 
     def get(self, response_id: str) -> BackgroundRun | None:
         return self._runs.get(response_id)
@@ -109,6 +123,7 @@ def not_streamable(response_id: str) -> APIError:
     return APIError(
         400,
         f"response {response_id!r} cannot be streamed again: only a response created with background: true and "
-        "stream: true keeps its events; retrieve it without stream",
+        "stream: true keeps its events (and, once the store is full of events, only the most recent ones); "
+        "retrieve it without stream",
         param="stream",
     )

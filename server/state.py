@@ -60,6 +60,7 @@ class ServerState:
         self.stopping = False
         # Set when the server starts shutting down (SIGTERM): new requests get 503, in-flight ones finish.
         self.draining = False
+        self.drain_deadline: float | None = None  # the event loop's time when the shutdown grace period ends
         self.ready_event = threading.Event()
         # Set by ``server.app.attach_server``: the URL uvicorn listens on (None until it does), and whether
         # uvicorn was asked to exit.

@@ -46,13 +46,18 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    engine = Engine(model=MODEL, device="cpu", max_total_tokens=16384)
+def engine() -> Iterator[Engine]:
+    eng = Engine(model=MODEL, device="cpu", max_total_tokens=16384)
     try:
-        with ServerThread(create_app(engine, ServerConfig(served_model_name=MODEL))) as srv:
-            yield srv
+        yield eng
     finally:
-        engine.shutdown()
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine: Engine) -> Iterator[ServerThread]:
+    with ServerThread(create_app(engine, ServerConfig(served_model_name=MODEL))) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -347,3 +352,18 @@ def test_only_background_responses_are_cancelled_or_streamed_again(server: Serve
         list(client.responses.retrieve(_settle(client, polled.id).id, stream=True))
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_missing")
+
+
+def test_a_background_response_running_at_shutdown_ends_incomplete_and_stored(engine: Engine) -> None:
+    """No connection waits for a background response: the shutdown gives it the grace period, then aborts its
+    request, and it ends ``incomplete``, stored (it used to be cancelled at once, as the event loop closed)."""
+    app = create_app(engine, ServerConfig(served_model_name=MODEL, shutdown_grace_period=0.5))
+    with ServerThread(app) as srv:
+        body = {"model": MODEL, "input": STORY, "max_output_tokens": 1500, "temperature": 0, "background": True}
+        rid = httpx.post(srv.url + "/v1/responses", json=body, timeout=30).json()["id"]
+        time.sleep(0.2)
+    stored = app.state.server.responses.get(rid)
+    assert stored is not None and stored.response["status"] == "incomplete"
+    assert stored.response["incomplete_details"] == {"reason": "interrupted"}
+    assert stored.response["usage"]["output_tokens"] > 0
+    assert engine.check_kv()["in_use_tokens"] == 0
