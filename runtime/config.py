@@ -296,6 +296,18 @@ class _Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+class _Extend(argparse.Action):
+    """A ``tuple[str, ...]`` flag: its first use replaces the default, a repeated one adds to it (``--lora-modules
+    a=/x --lora-modules b=/y`` serves both)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        seen = getattr(namespace, "_extended__", set())
+        current = list(getattr(namespace, self.dest)) if self.dest in seen else []
+        seen.add(self.dest)
+        namespace._extended__ = seen
+        setattr(namespace, self.dest, [*current, *values])
+
+
 ENV_ERROR = "env_error__"  # namespace attributes holding a bad switch variable's error (check_env_errors)
 
 
@@ -322,7 +334,8 @@ def check_env_errors(parser: argparse.ArgumentParser, ns: argparse.Namespace) ->
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one ``--flag`` (plus its aliases) per field of the dataclass ``cls``; defaults honour ``RADIXSERVE_*``
-    variables. A ``tuple[str, ...]`` field takes one or more values (``--flag a b``; the variable: ``a,b``)."""
+    variables. A ``tuple[str, ...]`` field takes one or more values (``--flag a b``, or the flag repeated; the variable:
+    ``a,b``)."""
     for f in dataclasses.fields(cls):
         tp = _field_type(cls, f)
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
@@ -338,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             continue
         if typing.get_origin(tp) is tuple:
             default = tuple(v for v in env_value.split(",") if v) if env_value is not None else f.default
-            parser.add_argument(*flags, nargs="+", type=str, default=default, help=f"{help_text}")
+            parser.add_argument(*flags, nargs="+", type=str, default=default, action=_Extend, help=f"{help_text}")
             continue
         # A variable's text is the default as it is, so that argparse converts it only for the command being
         # parsed, and a bad one is a one-line error naming the variable (_typed) rather than a traceback.

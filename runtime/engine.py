@@ -79,7 +79,10 @@ class Engine(EngineAPI):
         per_token = KVPool.bytes_per_token(args.num_layers, kv_heads, args.head_dim, loaded.dtype)
         draft = load_draft_model(config, loaded, lean_tokenizer) if config.speculative_algorithm == "draft" else None
         # The draft model's pool has as many slots as the target's: its weights and per-token bytes join the sizing.
-        draft_weights = module_bytes(draft.model) if draft is not None else 0
+        # So do the LoRA adapters, all resident: loaded before the pool is sized.
+        loras = load_adapters(config.lora_modules, loaded.model, loaded.dtype, loaded.device)
+        side_weights = module_bytes(draft.model) if draft is not None else 0
+        side_weights += loras.nbytes if loras is not None else 0
         draft_per_token = draft.kv_bytes_per_token() if draft is not None else 0
         sizing = None
 
@@ -94,7 +97,7 @@ class Engine(EngineAPI):
         else:
             # On CPU every rank's weights and KV shard live in the same RAM; a GPU rank has its own memory.
             sharing = config.tp if loaded.device.type == "cpu" else 1
-            weights = module_bytes(loaded.model) * sharing + draft_weights
+            weights = module_bytes(loaded.model) * sharing + side_weights
             reserve = RESERVE_BYTES
             if loaded.device.type == "cuda" and config.tp == 1:
                 pool_args = (args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device)
@@ -141,7 +144,6 @@ class Engine(EngineAPI):
             max_bs = config.cuda_graph_max_bs or config.max_running_requests
             graphs = DecodeGraphs(loaded.model, pool, max_bs, self.max_context_len, loaded.device)
             graphs.capture()
-        loras = load_adapters(config.lora_modules, loaded.model, loaded.dtype, loaded.device)
         runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs, loras)
         tier = None
         if config.enable_hierarchical_cache:

@@ -99,7 +99,10 @@ def load_adapter(spec: LoRASpec, model: torch.nn.Module, dtype: torch.dtype, dev
             raise ValueError(f"{where}: {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}: not a rank-r pair")
         rank = max(rank, r)
         scale = _scale(config, module, r)
-        parts.setdefault((layer, target), []).append((part, a.float(), b.float() * scale))
+        group = parts.setdefault((layer, target), [])
+        if any(p == part or p is None or part is None for p, _, _ in group):
+            raise ValueError(f"{where}: layer {layer} {part or target} is adapted twice (by {module!r} and another)")
+        group.append((part, a.float(), b.float() * scale))
     if not parts:
         raise ValueError(f"{where}: the adapter has no LoRA weights")
     weights = {key: _merge(modules, key, group, where, dtype, device) for key, group in sorted(parts.items())}
@@ -117,11 +120,18 @@ def _check_config(config: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: modules_to_save ({config['modules_to_save']}) would replace base weights")
     if not isinstance(config.get("r"), int) or config["r"] < 1:
         raise ValueError(f"{where}: adapter_config.json needs its rank r")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda", "eva", "loftq")):
+        # These initializations change the base weights too; PEFT's save_pretrained can convert them to plain LoRA.
+        raise ValueError(
+            f"{where}: init_lora_weights {init!r} adapts modified base weights; save it converted to plain LoRA "
+            "(PEFT's path_initial_model_for_weight_conversion)"
+        )
 
 
 def _scale(config: dict[str, Any], module: str, r: int) -> float:
     """PEFT's scaling of ``module``: its ``alpha_pattern`` entry, else ``lora_alpha``, over r (or sqrt(r))."""
-    alpha = config.get("lora_alpha", config["r"])
+    alpha = config.get("lora_alpha", 8)  # (PEFT's default)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
         if re.match(rf"(.*\.)?({pattern})$", module):
             alpha = value
@@ -186,8 +196,8 @@ class LoRABatch:
                 y.add_(xs.mm(at).mm(bt))
             elif isinstance(rows, slice):
                 y[rows].add_(xs.mm(at).mm(bt))
-            else:
-                y.index_add_(0, rows, xs.mm(at).mm(bt).to(y.dtype))
+            else:  # (one rounding into y's dtype, as the in-place adds: rows give the same bits either way)
+                y[rows] = (y[rows] + xs.mm(at).mm(bt)).to(y.dtype)
         return y
 
 
@@ -197,6 +207,10 @@ class LoRAs:
     def __init__(self, adapters: Sequence[LoRAAdapter], device: torch.device) -> None:
         self.adapters = {a.name: a for a in adapters}
         self.device = device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for a in self.adapters.values() for pair in a.weights.values() for t in pair)
 
     def batch(self, names: Sequence[str | None], counts: Sequence[int]) -> LoRABatch | None:
         """The step's ``LoRABatch``: row group ``i`` has ``counts[i]`` rows and uses adapter ``names[i]`` (None: the

@@ -30,9 +30,10 @@ def parse_lora_modules(values: Sequence[str]) -> list[LoRASpec]:
                 raise ValueError(f"--lora-modules {value!r}: expected NAME=PATH (the adapter's folder)")
         if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
             raise ValueError(f"--lora-modules {value!r}: the name and the path must both be given")
+        name, path = name.strip(), path.strip()
         if any(s.name == name for s in specs):
             raise ValueError(f"--lora-modules: the name {name!r} is given twice")
-        specs.append(LoRASpec(name.strip(), path.strip()))
+        specs.append(LoRASpec(name, path))
     return specs
 
 

@@ -174,8 +174,8 @@ def check_options(req: ChatCompletionRequest) -> tuple[RequestConstraint | None,
 
 async def start_chat(body: ChatCompletionRequest, state: ServerState, prompt_param: str = "messages") -> ChatRun:
     """Validate, render and submit ``body``; every client mistake is an ``APIError`` before anything runs."""
+    engine = state.ready_engine()  # (first: while loading, an adapter's name is not known yet)
     lora = state.check_model(body.model)
-    engine = state.ready_engine()
     constraint, forced = check_options(body)
     text, parse_tools = state.render_chat(body)
     thinking = None

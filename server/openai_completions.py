@@ -73,8 +73,8 @@ def _prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[tu
 @router.post("/v1/completions", summary="Create a text completion (OpenAI-compatible)")
 async def completions(body: CompletionRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/v1/completions")
+    engine = state.ready_engine()  # (first: while loading, an adapter's name is not known yet)
     lora = state.check_model(body.model)
-    engine = state.ready_engine()
     constraint = at_most_one([*body_constraints(body), response_format_constraint(body.response_format)])
     if body.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")

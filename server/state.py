@@ -99,6 +99,8 @@ class ServerState:
             self.ready_event.set()
 
     def _set_engine(self, engine: Engine) -> None:
+        config = getattr(engine, "config", None)
+        self.check_adapter_names(lora_names(config.lora_modules) if config is not None else ())
         self.sampling_defaults = sampling_defaults(self.config.generation_config, getattr(engine, "model_folder", None))
         self.kv_total_tokens = int(engine.server_info()["kv_cache"]["total_tokens"])
         self.token_names = TokenNames(engine.tokenizer)
@@ -136,6 +138,15 @@ class ServerState:
         """The LoRA adapters served (``--lora-modules``): each is a model name of its own."""
         config = getattr(self._engine, "config", None)
         return lora_names(config.lora_modules) if config is not None else ()
+
+    def check_adapter_names(self, names: tuple[str, ...]) -> None:
+        """``ValueError`` when an adapter would be named as the base model (a request could not name either)."""
+        taken = sorted(set(names) & {*self.served_names, self.model_spec})
+        if taken:
+            raise ValueError(
+                f"--lora-modules: the adapter name {taken[0]!r} is a name of the base model (--served-model-name or "
+                "--model); give the adapter another name"
+            )
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 unless ``model`` is the served name, the

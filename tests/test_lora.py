@@ -7,6 +7,9 @@ adapters and of the base model in the same step, and keep each adapter's cached 
 
 from __future__ import annotations
 
+import argparse
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +20,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from radixserve.runtime.config import EngineConfig, add_arguments, from_args
 from radixserve.runtime.engine import Engine
-from radixserve.runtime.lora_spec import parse_lora_modules
+from radixserve.runtime.lora import LoRAAdapter, LoRABatch, load_adapter
+from radixserve.runtime.lora_spec import LoRASpec, parse_lora_modules
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server import ServerConfig, create_app
 from radixserve.server.testing import ServerThread
@@ -146,3 +151,37 @@ def test_a_client_picks_an_adapter_by_its_model_name(engine: Engine) -> None:
 
 def _native() -> dict:
     return {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+
+def test_an_update_has_the_same_bits_whichever_rows_share_its_group() -> None:
+    """Rows of one adapter that are contiguous in a step, interleaved with other rows, or the whole step get the
+    same numbers: each path rounds the float32 update into the bfloat16 output once."""
+    gen = torch.Generator().manual_seed(0)
+    at, bt = torch.randn(64, 8, generator=gen), torch.randn(8, 96, generator=gen)
+    adapter = LoRAAdapter("a", "/x", 8, {(0, "o_proj"): (at, bt)})
+    x = torch.randn(6, 64, generator=gen).bfloat16()
+    y = torch.randn(6, 96, generator=gen).bfloat16()
+    whole = LoRABatch([(adapter, None)]).apply(0, "o_proj", x, y.clone())
+    part = LoRABatch([(adapter, slice(2, 4))]).apply(0, "o_proj", x, y.clone())
+    picked = LoRABatch([(adapter, torch.tensor([2, 3]))]).apply(0, "o_proj", x, y.clone())
+    assert torch.equal(part, picked) and torch.equal(part[2:4], whole[2:4]) and torch.equal(part[:2], y[:2])
+
+
+def test_adapter_names_and_flags_are_checked_where_they_are_given(
+    engine: Engine, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    ns = parser.parse_args(["--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z"])  # repeated: all kept
+    assert from_args(EngineConfig, ns).lora_modules == ("a=/x", "b=/y", "c=/z")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_lora_modules(["a=/x", " a =/y"])
+    with pytest.raises(ValueError, match="is a name of the base model"):  # a request could not name either
+        create_app(engine, ServerConfig(served_model_name="every"))
+    # An adapter whose base weights PiSSA changed is refused, not served as if it were plain LoRA.
+    folder = tmp_path / "pissa"
+    shutil.copytree(adapters["every"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
+    with pytest.raises(ValueError, match="pissa"):
+        load_adapter(LoRASpec("p", str(folder)), engine.core.runner.model, torch.float32, torch.device("cpu"))
