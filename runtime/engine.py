@@ -34,7 +34,8 @@ from radixserve.runtime.grammar import GrammarSupport
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.kv_tier import KVTier, TierConfig, model_key
 from radixserve.runtime.loader import load_model
-from radixserve.runtime.lora import load_adapters
+from radixserve.runtime.lora import load_adapter, load_adapters
+from radixserve.runtime.lora_spec import LoRASpec
 from radixserve.runtime.mapped_weights import WeightMover
 from radixserve.runtime.memory import RESERVE_BYTES, activation_bytes, check_pool_fits, module_bytes, size_pool
 from radixserve.runtime.model_runner import ModelRunner
@@ -82,7 +83,7 @@ class Engine(EngineAPI):
         # So do the LoRA adapters, all resident: loaded before the pool is sized.
         loras = load_adapters(config.lora_modules, loaded.model, loaded.dtype, loaded.device)
         side_weights = module_bytes(draft.model) if draft is not None else 0
-        side_weights += loras.nbytes if loras is not None else 0
+        side_weights += loras.nbytes
         draft_per_token = draft.kv_bytes_per_token() if draft is not None else 0
         sizing = None
 
@@ -287,6 +288,24 @@ class Engine(EngineAPI):
             }
 
         return self.call(collect)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self.core.lora_names
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read the adapter here (the caller's thread), then install it between two steps."""
+        if name in self.core.lora_names:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
+        if self.config.tp > 1:
+            raise ValueError("LoRA adapters are not served with --tp > 1 yet")
+        adapter = load_adapter(LoRASpec(name, path), self.core.runner.model, self.dtype, self.device)
+        self.call(lambda core: core.load_lora(adapter))
+        logger.info("LoRA adapter loaded: %s", adapter.describe())
+
+    def unload_lora(self, name: str) -> None:
+        self.call(lambda core: core.unload_lora(name))
+        logger.info("LoRA adapter unloaded: %s", name)
 
     def flush_cache(self) -> bool:
         return self.call(lambda core: core.flush_cache())

@@ -33,6 +33,21 @@ class EngineAPI(ABC):
     @abstractmethod
     def abort(self, rid: str) -> None: ...
 
+    @property
+    @abstractmethod
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served now (``--lora-modules``, and those loaded since)."""
+
+    @abstractmethod
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in ``path`` as ``name``: ``ValueError`` (a message for the client) if the name is
+        taken or the folder is not an adapter of this model."""
+
+    @abstractmethod
+    def unload_lora(self, name: str) -> None:
+        """Stop serving ``name``: ``LookupError`` if there is no such adapter, ``ValueError`` while requests use
+        it."""
+
     def submit_all(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Sink]]) -> list[str]:
         """Queue every ``(prompt_ids, params, sink)`` or none: at the first refusal, those already queued are
         aborted and the refusal is raised (a caller never holds the rids of half a batch)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from radixserve.runtime import envs
 from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
@@ -18,7 +19,6 @@ from radixserve.runtime.distributed.tensor_parallel import WorkerDiedError
 from radixserve.runtime.grammar import GrammarViolation, grammar_cut, grammar_failure
 from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.kv_tier import KVTier
-from radixserve.runtime.lora_spec import lora_names
 from radixserve.runtime.model_runner import ModelRunner, PendingStep
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
@@ -26,6 +26,9 @@ from radixserve.runtime.speculative import Drafter, NgramDrafter, can_speculate
 from radixserve.runtime.stats import EngineStats
 from radixserve.runtime.transfer import tensor_on
 from radixserve.runtime.validation import validate_request
+
+if TYPE_CHECKING:
+    from radixserve.runtime.lora import LoRAAdapter
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -43,8 +46,9 @@ class EngineCore:
         drafter: Drafter | None = None,
     ) -> None:
         self.config = config
-        self.lora_names = lora_names(config.lora_modules)  # the adapters a request may name
         self.runner = runner
+        # The adapters a request may name: replaced whole on the engine thread (read from any thread).
+        self.lora_names = self.runner.loras.names if self.runner.loras is not None else ()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -90,6 +94,9 @@ class EngineCore:
             raise ValueError(f"request id {req.rid!r} is already in use")
         req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.params.skip_special_tokens)
         req.stop_checker = StopChecker(req.params.stop) if req.params.stop else None
+        if req.params.lora_name is not None:
+            assert self.runner.loras is not None  # (validate checked the name)
+            req.lora_key = self.runner.loras.adapters[req.params.lora_name].key
         self._by_rid[req.rid] = req
         self.cache.prefetch(req)
         if req.grammar_future is not None:
@@ -444,6 +451,24 @@ class EngineCore:
 
     def flush_cache(self) -> bool:
         return self.cache.flush()
+
+    def load_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve ``adapter`` from the next step on (``ValueError`` if its name is taken)."""
+        assert self.runner.loras is not None
+        self.runner.loras.add(adapter)
+        self.lora_names = self.runner.loras.names
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter ``name``: ``LookupError`` if there is none, ``ValueError`` while requests use it.
+        Its cached KV is left to eviction (no request can reach it: a new load has a new ``key``)."""
+        assert self.runner.loras is not None
+        if name not in self.runner.loras.adapters:
+            raise LookupError(f"no LoRA adapter is named {name!r} on this server")
+        users = sum(1 for r in self._by_rid.values() if r.params.lora_name == name)
+        if users:
+            raise ValueError(f"the LoRA adapter {name!r} is in use by {users} requests; unload it when they finish")
+        self.runner.loras.remove(name)
+        self.lora_names = self.runner.loras.names
 
     def kv_usage(self) -> dict[str, int]:
         total = self.cache.num_slots

@@ -52,6 +52,7 @@ logger = logging.getLogger("radixserve.engine")
 # The writer also wakes this often when idle, to notice an engine loop that died.
 WRITER_POLL_S = 0.5
 STOP_TIMEOUT_S = 15.0
+LORA_TIMEOUT_S = 120.0  # reading an adapter of a large model
 
 
 class EngineProcess(EngineAPI):
@@ -78,7 +79,8 @@ class EngineProcess(EngineAPI):
         elif config is not None or overrides:
             raise ValueError("pass either a spawned engine process or its config, not both")
         self.config = spawned.config
-        self.lora_names = lora_names(self.config.lora_modules)
+        # The adapters served: the front end's view, changed only by its own load_lora / unload_lora.
+        self._lora_names = lora_names(self.config.lora_modules)
         self._proc = spawned.proc
         self._conn = spawned.conn
         self._send_lock = threading.Lock()
@@ -165,7 +167,7 @@ class EngineProcess(EngineAPI):
             self.max_context_len,
             self.kv_total_tokens,
             self.config.schedule_policy,
-            self.lora_names,
+            self._lora_names,
         )
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
@@ -212,6 +214,20 @@ class EngineProcess(EngineAPI):
     def check_kv(self) -> dict[str, int]:
         """Run the KV accounting check in the engine (raises ``RuntimeError`` on a leak); returns the KV usage."""
         return self._request(lambda cid: ipc.Call(cid, "check_kv")).result(30)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return self._lora_names
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._request(lambda cid: ipc.Call(cid, "load_lora", (name, path))).result(LORA_TIMEOUT_S)
+        with self._lock:
+            self._lora_names = (*self._lora_names, name)
+
+    def unload_lora(self, name: str) -> None:
+        self._request(lambda cid: ipc.Call(cid, "unload_lora", (name,))).result(LORA_TIMEOUT_S)
+        with self._lock:
+            self._lora_names = tuple(n for n in self._lora_names if n != name)
 
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         self._stopping = True
@@ -436,6 +452,10 @@ class _Bridge:
                 value = engine.flush_cache()
             elif msg.name == "check_kv":
                 value = engine.check_kv()
+            elif msg.name == "load_lora":
+                value = engine.load_lora(*msg.args)
+            elif msg.name == "unload_lora":
+                value = engine.unload_lora(*msg.args)
             else:
                 raise ValueError(f"unknown call {msg.name!r}")
         except Exception as exc:  # noqa: BLE001 - handed to the caller

@@ -51,15 +51,16 @@ class Compile:
     spec: ConstraintSpec
 
 
-CallName = Literal["server_info", "flush_cache", "check_kv"]
+CallName = Literal["server_info", "flush_cache", "check_kv", "load_lora", "unload_lora"]
 
 
 @dataclass(frozen=True)
 class Call:
-    """One of the engine's queries or admin actions, run between two steps."""
+    """One of the engine's queries or admin actions, run between two steps; ``args``: its arguments (strings)."""
 
     call_id: int
     name: CallName
+    args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

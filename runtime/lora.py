@@ -16,6 +16,7 @@ adapters' (``SamplingParams.cache_namespace``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -51,6 +52,9 @@ class LoRAAdapter:
 
     def __init__(self, name: str, path: str, rank: int, weights: dict[tuple[int, str], tuple[torch.Tensor, ...]]):
         self.name, self.path, self.rank, self.weights = name, path, rank, weights
+        # What the radix cache keys this adapter's KV by (``Req.lora_key``): set once it is served, unique per
+        # load, so that an adapter loaded again under a name never meets the KV of the one it replaced.
+        self.key = name
 
     def describe(self) -> str:
         projections = sorted({proj for _, proj in self.weights})
@@ -202,11 +206,28 @@ class LoRABatch:
 
 
 class LoRAs:
-    """The served adapters, by name (the model runner's)."""
+    """The served adapters, by name (the model runner's; changed only on the engine thread, between steps)."""
 
     def __init__(self, adapters: Sequence[LoRAAdapter], device: torch.device) -> None:
-        self.adapters = {a.name: a for a in adapters}
+        self.adapters: dict[str, LoRAAdapter] = {}
         self.device = device
+        self._loads = itertools.count()
+        for adapter in adapters:
+            self.add(adapter)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        if adapter.name in self.adapters:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded; unload it first")
+        adapter.key = f"{adapter.name}#{next(self._loads)}"
+        self.adapters[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise LookupError(f"no LoRA adapter is named {name!r} on this server")
 
     @property
     def nbytes(self) -> int:
@@ -235,13 +256,9 @@ class LoRAs:
         return LoRABatch(groups)
 
 
-def load_adapters(
-    values: Sequence[str], model: torch.nn.Module, dtype: torch.dtype, device: torch.device
-) -> LoRAs | None:
-    """The adapters of ``--lora-modules`` (None when there are none), each logged."""
-    specs = parse_lora_modules(values)
-    if not specs:
-        return None
-    adapters = [load_adapter(spec, model, dtype, device) for spec in specs]
-    logger.info("LoRA adapters: %s", "; ".join(a.describe() for a in adapters))
+def load_adapters(values: Sequence[str], model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> LoRAs:
+    """The adapters of ``--lora-modules`` (none is an empty registry: adapters may be loaded later), logged."""
+    adapters = [load_adapter(spec, model, dtype, device) for spec in parse_lora_modules(values)]
+    if adapters:
+        logger.info("LoRA adapters: %s", "; ".join(a.describe() for a in adapters))
     return LoRAs(adapters, device)

@@ -168,7 +168,7 @@ class ModelRunner:
         )
 
     def _lora_batch(self, plan: BatchPlan) -> LoRABatch | None:
-        if self.loras is None:
+        if self.loras is None or not self.loras.adapters:
             return None
         return self.loras.batch([c.req.params.lora_name for c in plan.chunks], [c.num_tokens for c in plan.chunks])
 

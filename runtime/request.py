@@ -115,6 +115,7 @@ class Req:
         # valid); owned by ``KVCacheManager``, which extends them instead of hashing the prompt at every admission.
         self.tier_keys: list[str] = []
         self._salted_prompt: list[int] | None = None  # ``cache_ids`` of the prompt, in a cache namespace
+        self.lora_key: str | None = None  # the adapter's cache key (``LoRAAdapter.key``), set when it is added
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None
@@ -146,10 +147,9 @@ class Req:
         a LoRA adapter: ``SamplingParams.cache_namespace``) each id moved above every token id by the namespace's
         hash, so that requests of other namespaces (or none) share no cached prefix with it, and cannot time one
         (vLLM's ``cache_salt``)."""
-        namespace = self.params.cache_namespace
-        if namespace is None:
+        if self.params.cache_namespace is None:
             return self.all_ids
-        offset = salt_offset(namespace)
+        offset = salt_offset((self.params.cache_salt, self.lora_key or self.params.lora_name))
         if self._salted_prompt is None:  # the prompt never changes: moved once
             self._salted_prompt = [t + offset for t in self.prompt_ids]
         return self._salted_prompt + [t + offset for t in self.output_ids]

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from radixserve.server import (
     anthropic_messages,
+    lora_routes,
     native_routes,
     openai_chat,
     openai_completions,
@@ -95,6 +96,7 @@ def create_app(
     app.include_router(anthropic_messages.router)
     app.include_router(openai_models.router)
     app.include_router(native_routes.router)
+    app.include_router(lora_routes.router)
     return app
 
 

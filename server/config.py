@@ -94,6 +94,11 @@ class ServerConfig(CorsConfig):
         "", "If set, the API and admin routes need 'Authorization: Bearer <key>' (not /health, /metrics).", secret=True
     )
     protect_metrics: bool = _opt(False, "With --api-key, /metrics needs the key too.")
+    allow_runtime_lora_updating: bool = _opt(
+        False,
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters from folders on this machine: "
+        "enable only for trusted clients, with --api-key).",
+    )
     served_model_name: tuple[str, ...] = _opt(
         (), "Model name(s) clients use; the first is reported in responses. Default: the --model value's last part."
     )

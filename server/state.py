@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from radixserve.runtime.lora_spec import lora_names
 from radixserve.server.chat import render_chat
 from radixserve.server.config import ServerConfig, default_served_name, load_chat_template
 from radixserve.server.errors import APIError
@@ -99,8 +98,7 @@ class ServerState:
             self.ready_event.set()
 
     def _set_engine(self, engine: Engine) -> None:
-        config = getattr(engine, "config", None)
-        self.check_adapter_names(lora_names(config.lora_modules) if config is not None else ())
+        self.check_adapter_names(engine.lora_names)
         self.sampling_defaults = sampling_defaults(self.config.generation_config, getattr(engine, "model_folder", None))
         self.kv_total_tokens = int(engine.server_info()["kv_cache"]["total_tokens"])
         self.token_names = TokenNames(engine.tokenizer)
@@ -135,9 +133,8 @@ class ServerState:
 
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters served (``--lora-modules``): each is a model name of its own."""
-        config = getattr(self._engine, "config", None)
-        return lora_names(config.lora_modules) if config is not None else ()
+        """The LoRA adapters served (``--lora-modules``, and those loaded since): each is a model name of its own."""
+        return self._engine.lora_names if self._engine is not None else ()
 
     def check_adapter_names(self, names: tuple[str, ...]) -> None:
         """``ValueError`` when an adapter would be named as the base model (a request could not name either)."""

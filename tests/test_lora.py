@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from radixserve.runtime.config import EngineConfig, add_arguments, from_args
 from radixserve.runtime.engine import Engine
+from radixserve.runtime.engine_process import EngineProcess
 from radixserve.runtime.lora import LoRAAdapter, LoRABatch, load_adapter
 from radixserve.runtime.lora_spec import LoRASpec, parse_lora_modules
 from radixserve.runtime.sampling_params import SamplingParams
@@ -185,3 +186,65 @@ def test_adapter_names_and_flags_are_checked_where_they_are_given(
     (folder / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
     with pytest.raises(ValueError, match="pissa"):
         load_adapter(LoRASpec("p", str(folder)), engine.core.runner.model, torch.float32, torch.device("cpu"))
+
+
+def test_adapters_are_loaded_and_unloaded_while_serving(engine: Engine, adapters: dict[str, Path]) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (with --allow-runtime-lora-updating). An adapter
+    loaded again under a name is served with its new weights: the cached KV of the one it replaced is never hit."""
+    prompt = list(range(100, 140))
+    want = {n: engine.generate(input_ids=prompt, sampling_params=_params(n))["output_ids"] for n in ("every", "some")}
+    with ServerThread(create_app(engine, ServerConfig(served_model_name="tiny"))) as srv:
+        off = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(adapters["some"])})
+        assert off.status_code == 400 and off.json()["error"]["code"] == "lora_updating_disabled"
+    config = ServerConfig(served_model_name="tiny", allow_runtime_lora_updating=True)
+    with ServerThread(create_app(engine, config)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+
+        def load(name: str, path: Path | str) -> httpx.Response:
+            return httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+        def run(name: str) -> tuple[list[int], int]:
+            got = client.completions.create(
+                model=name, prompt=prompt, max_tokens=MAX_NEW, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )  # fmt: skip
+            ids = [int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens]
+            return ids, got.usage.prompt_tokens_details.cached_tokens
+
+        assert load("x", adapters["some"]).text == "Success: LoRA adapter 'x' added successfully."
+        assert "x" in {m.id for m in client.models.list().data}
+        assert run("x") == (want["some"], 0)  # its own cache namespace, not "some"'s
+        assert run("x")[1] == len(prompt) - 1
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            run("x")
+        assert load("x", adapters["every"]).status_code == 200
+        assert run("x") == (want["every"], 0)  # the new weights, not the old adapter's cached KV
+        unload_missing = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "nope"})  # (SGLang's path)
+        bad = [(load("x", adapters["every"]), 400, "lora_name"), (load("tiny", adapters["every"]), 400, "lora_name"),
+               (load("y", "/nonexistent"), 400, "lora_path"), (unload_missing, 404, "lora_name")]  # fmt: skip
+        for resp, status, param in bad:
+            assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
+        # An adapter in use is not unloaded.
+        long = SamplingParams(max_new_tokens=4000, ignore_eos=True, lora_name="x")
+        rid = engine.submit(prompt, long, lambda out: None)
+        busy = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "x"})
+        assert busy.status_code == 409 and "in use" in busy.json()["error"]["message"]
+        engine.abort(rid)
+    engine.unload_lora("x")
+
+
+def test_an_engine_process_loads_adapters_too(tiny_model_dir: Path, adapters: dict[str, Path], engine: Engine) -> None:
+    want = engine.generate(input_ids=PROMPTS[1], sampling_params=_params("every"))["output_ids"]
+    proc = EngineProcess(model=str(tiny_model_dir), device="cpu", dtype="float32", max_total_tokens=2048)
+    try:
+        proc.load_lora("late", str(adapters["every"]))
+        assert proc.lora_names == ("late",)
+        assert proc.generate(input_ids=PROMPTS[1], sampling_params=_params("late"))["output_ids"] == want
+        proc.unload_lora("late")
+        with pytest.raises(ValueError, match="no LoRA adapter is named 'late'"):
+            proc.generate(input_ids=PROMPTS[1], sampling_params=_params("late"))
+        with pytest.raises(LookupError):
+            proc.unload_lora("late")
+    finally:
+        proc.shutdown()

@@ -184,6 +184,21 @@ def test_flush_cache_fans_out() -> None:
         assert resp.json()["replicas"]["b"]["status"] == 400
 
 
+def test_lora_adapters_are_loaded_and_unloaded_on_every_replica() -> None:
+    loaded = lambda p, h: FakeUpstream(200, [b"Success: LoRA adapter 'x' added successfully."], "text/plain")  # noqa: E731
+    refused = lambda p, h: FakeUpstream(400, [b'{"error": {"message": "no", "param": "lora_path"}}'])  # noqa: E731
+    transport = FakeTransport({"a": loaded, "b": loaded})
+    with fake_router(transport) as client:
+        resp = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a"})
+        assert resp.status_code == 200 and resp.text.startswith("Success")
+        assert sorted((c[0], c[1]) for c in transport.calls) == [("a", "/v1/load_lora_adapter"),
+                                                                 ("b", "/v1/load_lora_adapter")]  # fmt: skip
+        assert client.post("/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200  # (SGLang's path)
+    with fake_router(FakeTransport({"a": loaded, "b": refused})) as client:
+        resp = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
+
+
 def test_a_request_that_breaks_two_replicas_is_not_sent_to_a_third() -> None:
     """A request that kills its replica (a poison input) was retried on every replica in turn."""
     crash = lambda p, h: ReplicaUnavailable("server disconnected without a response", dead=False)  # noqa: E731

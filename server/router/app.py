@@ -13,6 +13,8 @@ Routes:
     healthy replica (every replica serves the same model; /server_info is that replica's own engine and cache);
   * POST /flush_cache: sent to every healthy replica; 200 only if every one flushed;
   * POST /abort_request: sent to every healthy replica; 200 naming those that ran the rid, else 404;
+  * POST /v1/load_lora_adapter, /v1/unload_lora_adapter: sent to every healthy replica; the first failure's
+    answer, else 200;
   * GET / HEAD /health: 200 while at least one replica is healthy, else 503 (no API key needed);
   * GET /metrics: Prometheus metrics of routing decisions, replica health and in-flight requests (no API key
     needed unless --protect-metrics);
@@ -49,6 +51,7 @@ logger = logging.getLogger("radixserve.router")
 
 CLIENT_CLOSED = 499
 FLUSH_TIMEOUT_S = 60.0
+LORA_TIMEOUT_S = 120.0  # a replica reads the adapter from its disk
 
 
 class RouterState:
@@ -225,6 +228,33 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
         else:
             status = 502
         return JSONResponse({"success": ok, "replicas": results}, status_code=status)
+
+    @api.post("/v1/load_lora_adapter", summary="Load a LoRA adapter on every healthy replica")
+    @api.post("/load_lora_adapter", include_in_schema=False)
+    async def load_lora_adapter(request: Request) -> Response:
+        return await _everywhere(request, "/v1/load_lora_adapter")
+
+    @api.post("/v1/unload_lora_adapter", summary="Unload a LoRA adapter on every healthy replica")
+    @api.post("/unload_lora_adapter", include_in_schema=False)
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await _everywhere(request, "/v1/unload_lora_adapter")
+
+    async def _everywhere(request: Request, path: str) -> Response:
+        """Every replica serves the same adapters: the call goes to each healthy one; the answer is the first
+        failure's (a 4xx in the API's shape) or, when all succeed, the first answer."""
+        state = _state(request)
+        targets = list(state.pool.candidates())
+        if not targets:
+            return error_response(503, f"no healthy replica to send {path} to", "no_healthy_replica")
+        body = await request.body()
+        answers = await asyncio.gather(*(state.transport.call(r, "POST", path, LORA_TIMEOUT_S, body) for r in targets))
+        failed = [(r, status, answer) for r, (status, answer) in zip(targets, answers) if status != 200]
+        if not failed:
+            return Response(str(answers[0][1]), media_type="text/plain")
+        replica, status, answer = failed[0]
+        if status == 0:
+            return error_response(502, f"replica {replica} did not answer {path}: {answer}", "replica_failed")
+        return JSONResponse(answer, status_code=status) if isinstance(answer, dict) else Response(str(answer), status)
 
     @api.get("/router_info", summary="Replicas' health and load, and routing statistics")
     async def router_info(request: Request) -> dict[str, Any]:
