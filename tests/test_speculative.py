@@ -272,7 +272,8 @@ def test_speculation_turns_the_overlap_schedule_off() -> None:
     from radixserve.runtime.config import EngineConfig
     from radixserve.runtime.engine_core import EngineCore
 
-    runner = SimpleNamespace(pool=SimpleNamespace(num_slots=1024), graphs=object())  # as on CUDA, graphs captured
+    # As on CUDA, graphs captured.
+    runner = SimpleNamespace(pool=SimpleNamespace(num_slots=1024), graphs=object(), loras=None)
     for algorithm, overlap in (("", True), ("ngram", False)):
         config = EngineConfig(speculative_algorithm=algorithm)
         core = EngineCore(config, runner, tokenizer=None, eos_token_ids={2}, vocab_size=100, max_context_len=2048)
