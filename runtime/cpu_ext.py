@@ -64,6 +64,7 @@ SOURCES = (
     RUNTIME / "models" / "csrc" / "quant_packed_avx2.h",
     RUNTIME / "models" / "csrc" / "quant_packed_avx2_q8k.h",
     RUNTIME / "models" / "csrc" / "fused_ops.cpp",
+    RUNTIME / "models" / "csrc" / "lora_ops.cpp",
     RUNTIME / "models" / "csrc" / "bf16_linear.cpp",
     RUNTIME / "models" / "csrc" / "bf16_tiles.cpp",
     RUNTIME / "models" / "csrc" / "bf16_packed.cpp",

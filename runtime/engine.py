@@ -293,19 +293,23 @@ class Engine(EngineAPI):
     def lora_names(self) -> tuple[str, ...]:
         return self.core.lora_names
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str) -> tuple[str, ...]:
         """Read the adapter here (the caller's thread), then install it between two steps."""
+        if not name.strip():
+            raise ValueError("a LoRA adapter needs a name")
         if name in self.core.lora_names:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it first")
         if self.config.tp > 1:
             raise ValueError("LoRA adapters are not served with --tp > 1 yet")
         adapter = load_adapter(LoRASpec(name, path), self.core.runner.model, self.dtype, self.device)
-        self.call(lambda core: core.load_lora(adapter))
+        names = self.call(lambda core: core.load_lora(adapter))
         logger.info("LoRA adapter loaded: %s", adapter.describe())
+        return names
 
-    def unload_lora(self, name: str) -> None:
-        self.call(lambda core: core.unload_lora(name))
+    def unload_lora(self, name: str) -> tuple[str, ...]:
+        names = self.call(lambda core: core.unload_lora(name))
         logger.info("LoRA adapter unloaded: %s", name)
+        return names
 
     def flush_cache(self) -> bool:
         return self.call(lambda core: core.flush_cache())

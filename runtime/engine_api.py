@@ -39,14 +39,14 @@ class EngineAPI(ABC):
         """The LoRA adapters served now (``--lora-modules``, and those loaded since)."""
 
     @abstractmethod
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str) -> tuple[str, ...]:
         """Serve the PEFT adapter in ``path`` as ``name``: ``ValueError`` (a message for the client) if the name is
-        taken or the folder is not an adapter of this model."""
+        empty or taken, or the folder is not an adapter of this model. Returns the names served now."""
 
     @abstractmethod
-    def unload_lora(self, name: str) -> None:
+    def unload_lora(self, name: str) -> tuple[str, ...]:
         """Stop serving ``name``: ``LookupError`` if there is no such adapter, ``ValueError`` while requests use
-        it."""
+        it. Returns the names served now."""
 
     def submit_all(self, requests: Sequence[tuple[Sequence[int], SamplingParams, Sink]]) -> list[str]:
         """Queue every ``(prompt_ids, params, sink)`` or none: at the first refusal, those already queued are

@@ -452,15 +452,17 @@ class EngineCore:
     def flush_cache(self) -> bool:
         return self.cache.flush()
 
-    def load_lora(self, adapter: LoRAAdapter) -> None:
-        """Serve ``adapter`` from the next step on (``ValueError`` if its name is taken)."""
+    def load_lora(self, adapter: LoRAAdapter) -> tuple[str, ...]:
+        """Serve ``adapter`` from the next step on (``ValueError`` if its name is taken); the names served now."""
         assert self.runner.loras is not None
         self.runner.loras.add(adapter)
         self.lora_names = self.runner.loras.names
+        return self.lora_names
 
-    def unload_lora(self, name: str) -> None:
-        """Stop serving the adapter ``name``: ``LookupError`` if there is none, ``ValueError`` while requests use it.
-        Its cached KV is left to eviction (no request can reach it: a new load has a new ``key``)."""
+    def unload_lora(self, name: str) -> tuple[str, ...]:
+        """Stop serving the adapter ``name``: ``LookupError`` if there is none, ``ValueError`` while requests use it;
+        the names served now. Its cached KV is left to eviction (no request can reach it: a new load has a new
+        ``key``)."""
         assert self.runner.loras is not None
         if name not in self.runner.loras.adapters:
             raise LookupError(f"no LoRA adapter is named {name!r} on this server")
@@ -469,6 +471,7 @@ class EngineCore:
             raise ValueError(f"the LoRA adapter {name!r} is in use by {users} requests; unload it when they finish")
         self.runner.loras.remove(name)
         self.lora_names = self.runner.loras.names
+        return self.lora_names
 
     def kv_usage(self) -> dict[str, int]:
         total = self.cache.num_slots

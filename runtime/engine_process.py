@@ -219,15 +219,14 @@ class EngineProcess(EngineAPI):
     def lora_names(self) -> tuple[str, ...]:
         return self._lora_names
 
-    def load_lora(self, name: str, path: str) -> None:
-        self._request(lambda cid: ipc.Call(cid, "load_lora", (name, path))).result(LORA_TIMEOUT_S)
-        with self._lock:
-            self._lora_names = (*self._lora_names, name)
+    def load_lora(self, name: str, path: str) -> tuple[str, ...]:
+        # The engine's answer is the list served then: the front end takes it whole (no drift between the two).
+        self._lora_names = self._request(lambda cid: ipc.Call(cid, "load_lora", (name, path))).result(LORA_TIMEOUT_S)
+        return self._lora_names
 
-    def unload_lora(self, name: str) -> None:
-        self._request(lambda cid: ipc.Call(cid, "unload_lora", (name,))).result(LORA_TIMEOUT_S)
-        with self._lock:
-            self._lora_names = tuple(n for n in self._lora_names if n != name)
+    def unload_lora(self, name: str) -> tuple[str, ...]:
+        self._lora_names = self._request(lambda cid: ipc.Call(cid, "unload_lora", (name,))).result(LORA_TIMEOUT_S)
+        return self._lora_names
 
     def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
         self._stopping = True

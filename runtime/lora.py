@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.lora_spec import LoRASpec, parse_lora_modules
 
 logger = logging.getLogger("radixserve.lora")
@@ -73,9 +74,18 @@ def load_adapter(spec: LoRASpec, model: torch.nn.Module, dtype: torch.dtype, dev
         raise ValueError(f"{where}: no adapter_config.json; give the folder PEFT's save_pretrained wrote")
     if not weights_file.is_file():
         raise ValueError(f"{where}: no adapter_model.safetensors (save the adapter with safe_serialization)")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    _check_config(config, where)
-    tensors = load_file(str(weights_file))
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("adapter_config.json is not a JSON object")
+        _check_config(config, where)
+        for pattern in config.get("alpha_pattern") or {}:
+            re.compile(pattern)
+        tensors = load_file(str(weights_file))
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a folder that cannot be read (or parsed) is the caller's mistake
+        raise ValueError(f"{where}: cannot read the adapter: {type(exc).__name__}: {exc}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
@@ -177,6 +187,19 @@ def _merge(
     return a_all.T.to(device, weight_dtype).contiguous(), b_all.T.to(device, weight_dtype).contiguous()
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+def _kernel(x: torch.Tensor, y: torch.Tensor) -> Any:
+    """The compiled row kernel (``csrc/lora_ops.cpp``) where it takes these tensors, else None."""
+    if x.device.type != "cpu" or x.dtype != y.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if x.stride(-1) != 1 or y.stride(-1) != 1:
+        return None
+    kernels = load_kernels()
+    return getattr(kernels, "lora", None) if kernels is not None else None
+
+
 class LoRABatch:
     """The adapters of one step's rows: per adapter its rows (None: every row; a slice when contiguous; else an
     index tensor)."""
@@ -187,12 +210,21 @@ class LoRABatch:
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the projection ``target`` of layer ``layer`` applied to ``x``) plus each row's adapter update;
         in place. The update is computed in the adapter's float32 (a decode step is hundreds of these products,
-        and on the CPU a small bfloat16 matmul costs ~10x a float32 one)."""
+        and on the CPU a small bfloat16 matmul costs ~10x a float32 one). On the CPU a group of up to
+        ``MAX_ROWS`` rows goes to the compiled kernel (``csrc/lora_ops.cpp``: each row summed on its own, so its bits
+        do not depend on the batch or the run); larger ones, and other devices, to matmuls."""
+        kernel = _kernel(x, y)
         for adapter, rows in self.groups:
             pair = adapter.weights.get((layer, target))
             if pair is None:
                 continue
             at, bt = pair
+            n = x.shape[0] if rows is None else rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+            if kernel is not None and n <= kernel.MAX_ROWS:
+                span = rows if isinstance(rows, slice) else slice(0, x.shape[0])
+                index = rows if isinstance(rows, torch.Tensor) else _NO_ROWS
+                kernel.add_update(y, x, at, bt, span.start, span.stop, index)
+                continue
             xs = x if rows is None else x[rows]
             if xs.dtype != at.dtype:
                 xs = xs.to(at.dtype)
@@ -236,7 +268,7 @@ class LoRAs:
     def batch(self, names: Sequence[str | None], counts: Sequence[int]) -> LoRABatch | None:
         """The step's ``LoRABatch``: row group ``i`` has ``counts[i]`` rows and uses adapter ``names[i]`` (None: the
         base model). None when no row uses one."""
-        if not any(names):
+        if all(name is None for name in names):
             return None
         rows: dict[str, list[tuple[int, int]]] = {}
         start = 0

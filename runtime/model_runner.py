@@ -164,7 +164,7 @@ class ModelRunner:
             self.graphs is not None
             and 0 < len(reqs) <= self.graphs.max_bs
             and self.sampler.argmax_only(reqs)
-            and not any(r.params.lora_name for r in reqs)
+            and all(r.params.lora_name is None for r in reqs)
         )
 
     def _lora_batch(self, plan: BatchPlan) -> LoRABatch | None:

@@ -119,6 +119,8 @@ class SamplingParams:
             isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
         ):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name.strip()):
+            raise ValueError("lora_name must name an adapter (a non-empty string)")
         if any(not seq for seq in self.bad_words_ids):
             raise ValueError("bad_words_ids must be non-empty token sequences")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):

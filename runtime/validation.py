@@ -21,7 +21,7 @@ def validate_request(
     the adapters served (``--lora-modules``)."""
     params.validate(vocab_size)
     if params.lora_name is not None and params.lora_name not in lora_names:
-        served = f"it serves {', '.join(sorted(lora_names))}" if lora_names else "it serves none (--lora-modules)"
+        served = f"it serves {', '.join(sorted(lora_names))}" if lora_names else "it serves no adapter now"
         raise ValueError(f"no LoRA adapter is named {params.lora_name!r} on this server; {served}")
     if params.priority != 0 and schedule_policy != "priority":
         # As vLLM: a priority that nothing reads would be a promise the server does not keep.

@@ -75,8 +75,8 @@ async def create_message(body: MessagesRequest, request: Request, state: StateDe
 @router.post("/v1/messages/count_tokens", summary="Count the tokens of a message list (Anthropic Messages API)")
 async def count_tokens(body: CountTokensRequest, state: StateDep):
     check_extra_fields(body, "/v1/messages/count_tokens")
+    engine = state.ready_engine()  # (first: while loading, an adapter's name is not known yet)
     state.check_model(body.model)
-    engine = state.ready_engine()
     text, _ = state.render_chat(chat_request(body))
     return {"input_tokens": len(encode(engine.tokenizer, text, add_special_tokens=False))}
 

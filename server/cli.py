@@ -75,6 +75,10 @@ def _add_router_commands(commands: argparse._SubParsersAction) -> None:
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     logger.info("engine config: %s", json.dumps(asdict(engine_config)))
     logger.info("server config: %s", json.dumps(server_config.redacted()))
+    if server_config.allow_runtime_lora_updating and not server_config.api_key:
+        logger.warning(
+            "--allow-runtime-lora-updating without --api-key: any client can load adapters from this machine's folders"
+        )
     try:  # before the engine starts: a port in use must not cost a model load (and leave an engine behind)
         sock = _bind(server_config.host, server_config.port)
     except OSError as exc:

@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, Field
 
 from radixserve.server.deps import StateDep, require_api_key
-from radixserve.server.errors import APIError
+from radixserve.server.errors import APIError, from_engine_error
 from radixserve.server.state import ServerState
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["LoRA"])
@@ -52,12 +52,17 @@ async def load_lora_adapter(body: LoadLoRARequest, state: StateDep) -> PlainText
         state.check_adapter_names((name,))
     except ValueError as exc:
         raise APIError(400, str(exc).removeprefix("--lora-modules: "), param="lora_name") from None
+    if not name:
+        raise APIError(400, "lora_name must name the adapter (it is blank)", param="lora_name")
     if name in engine.lora_names:
         raise APIError(400, f"a LoRA adapter named {name!r} is already loaded; unload it first", param="lora_name")
     try:
         await asyncio.to_thread(engine.load_lora, name, body.lora_path.strip())
     except ValueError as exc:
-        raise APIError(400, str(exc), param="lora_path") from None
+        param = "lora_name" if "already loaded" in str(exc) else "lora_path"
+        raise APIError(400, str(exc), param=param) from None
+    except Exception as exc:  # noqa: BLE001 - the engine stopped, or timed out: its own status
+        raise from_engine_error(exc) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -73,4 +78,6 @@ async def unload_lora_adapter(body: UnloadLoRARequest, state: StateDep) -> Plain
         raise APIError(404, str(exc), param="lora_name", code="not_found") from None
     except ValueError as exc:
         raise APIError(409, str(exc), param="lora_name") from None
+    except Exception as exc:  # noqa: BLE001 - the engine stopped, or timed out: its own status
+        raise from_engine_error(exc) from None
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -3,6 +3,7 @@ kernels in the same order, so the same tokens and the same log-probabilities to 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from radixserve.runtime.engine import Engine
 from radixserve.runtime.models import bf16_layout, decode_stack, quant
 from radixserve.runtime.models.linear import onednn_usable, plain_bf16_weights
 from radixserve.runtime.sampling_params import SamplingParams
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import make_tiny_lora, make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, return_logprob=True)
 PREFIX = "A shared system prompt that every request repeats before its own question. " * 3
@@ -159,3 +160,37 @@ def test_rows_that_share_a_prefix_attend_it_together_on_the_stack_as_in_the_laye
         finally:
             engine.shutdown()
     assert runs["1"] == runs["0"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", "int8"), ("bfloat16", "int8"), ("float32", "none"), ("bfloat16", "none")]
+)
+def test_lora_rows_on_the_stack_get_the_python_layers_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, quantization: str
+) -> None:
+    """Decode steps whose rows use two adapters and the base model, interleaved, scattered and whole: the stack adds
+    the same updates as the layers (``LoRABatch.apply``), to the bit."""
+    folder = make_tiny_model(tmp_path / "llama", num_layers=3, seed=11)
+    first = make_tiny_lora(folder, tmp_path / "a", seed=1)
+    second = make_tiny_lora(folder, tmp_path / "b", seed=2, r=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    _clear_choices()
+    prompts = [[5 + i, 17, 42, 99, 7, 3 + i] for i in range(5)]
+    names = ["a", None, "a", "b", None]  # "a" scattered, "b" alone, base rows between
+    runs = {}
+    for stack in ("1", "0"):
+        monkeypatch.setenv("RADIXSERVE_DECODE_STACK", stack)
+        engine = Engine(model=str(folder), device="cpu", dtype=dtype, quantization=quantization, max_total_tokens=2048,
+                        lora_modules=(f"a={first}", f"b={second}"))  # fmt: skip
+        try:
+            params = [replace(GREEDY, max_new_tokens=8, lora_name=n) for n in names]
+            together = engine.generate(input_ids=prompts, sampling_params=params)
+            engine.flush_cache()
+            alone = engine.generate(input_ids=prompts[0], sampling_params=params[0])  # every row one adapter
+            outs = [*together, alone]
+            runs[stack] = [[(t.token_id, t.logprob) for t in o["meta_info"]["output_token_logprobs"]] for o in outs]
+            if stack == "1":
+                assert (_model(engine).__dict__.get("_decode_stack") is not None) == _expects_stack(quantization)
+        finally:
+            engine.shutdown()
+    assert runs["1"] == runs["0"]
+    assert runs["1"][0] != runs["1"][1]  # (the adapters act)

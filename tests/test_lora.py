@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from radixserve.runtime.config import EngineConfig, add_arguments, from_args
+from radixserve.runtime.cpu_ext import load_kernels
 from radixserve.runtime.engine import Engine
 from radixserve.runtime.engine_process import EngineProcess
 from radixserve.runtime.lora import LoRAAdapter, LoRABatch, load_adapter
@@ -188,7 +189,9 @@ def test_adapter_names_and_flags_are_checked_where_they_are_given(
         load_adapter(LoRASpec("p", str(folder)), engine.core.runner.model, torch.float32, torch.device("cpu"))
 
 
-def test_adapters_are_loaded_and_unloaded_while_serving(engine: Engine, adapters: dict[str, Path]) -> None:
+def test_adapters_are_loaded_and_unloaded_while_serving(
+    engine: Engine, adapters: dict[str, Path], tmp_path: Path
+) -> None:
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (with --allow-runtime-lora-updating). An adapter
     loaded again under a name is served with its new weights: the cached KV of the one it replaced is never hit."""
     prompt = list(range(100, 140))
@@ -221,8 +224,12 @@ def test_adapters_are_loaded_and_unloaded_while_serving(engine: Engine, adapters
         assert load("x", adapters["every"]).status_code == 200
         assert run("x") == (want["every"], 0)  # the new weights, not the old adapter's cached KV
         unload_missing = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "nope"})  # (SGLang's path)
+        broken = tmp_path / "broken"
+        shutil.copytree(adapters["every"], broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
         bad = [(load("x", adapters["every"]), 400, "lora_name"), (load("tiny", adapters["every"]), 400, "lora_name"),
-               (load("y", "/nonexistent"), 400, "lora_path"), (unload_missing, 404, "lora_name")]  # fmt: skip
+               (load("  ", adapters["every"]), 400, "lora_name"), (load("y", "/nonexistent"), 400, "lora_path"),
+               (load("y", broken), 400, "lora_path"), (unload_missing, 404, "lora_name")]  # fmt: skip
         for resp, status, param in bad:
             assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
         # An adapter in use is not unloaded.
@@ -248,3 +255,25 @@ def test_an_engine_process_loads_adapters_too(tiny_model_dir: Path, adapters: di
             proc.unload_lora("late")
     finally:
         proc.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_row_kernel_matches_the_matmuls_and_ignores_its_neighbours(dtype: torch.dtype) -> None:
+    """``csrc/lora_ops.cpp`` against the reference products (float64 here), and each row's bits the same whichever
+    rows are updated with it."""
+    kernels = load_kernels()
+    if kernels is None:
+        pytest.skip("no compiled kernels on this machine")
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(9, 96, generator=gen).to(dtype), torch.randn(9, 200, generator=gen).to(dtype)
+    at, bt = torch.randn(96, 24, generator=gen), torch.randn(24, 200, generator=gen) * 0.1
+    want = (y.double() + x.double() @ at.double() @ bt.double()).to(dtype)
+    every = y.clone()
+    kernels.lora.add_update(every, x, at, bt, 0, 9, torch.empty(0, dtype=torch.long))
+    torch.testing.assert_close(every, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+    some = y.clone()
+    kernels.lora.add_update(some, x, at, bt, 0, 0, torch.tensor([7, 2]))
+    others = [0, 1, 3, 4, 5, 6, 8]
+    assert torch.equal(some[[2, 7]], every[[2, 7]]) and torch.equal(some[others], y[others])
+    with pytest.raises(RuntimeError, match="row out of range"):
+        kernels.lora.add_update(y.clone(), x, at, bt, 0, 0, torch.tensor([9]))

@@ -197,6 +197,7 @@ def test_lora_adapters_are_loaded_and_unloaded_on_every_replica() -> None:
     with fake_router(FakeTransport({"a": loaded, "b": refused})) as client:
         resp = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a"})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "lora_path"
+        assert resp.json()["replicas"] == {"a": 200, "b": 400}  # where it did load, a retry finds it loaded
 
 
 def test_a_request_that_breaks_two_replicas_is_not_sent_to_a_third() -> None:

@@ -329,3 +329,20 @@ def write_tiny_gguf(folder: Path, gguf_path: Path, *, name: str = "tiny-llama", 
     writer.write_tensors_to_file()
     writer.close()
     return gguf_path
+
+
+def make_tiny_lora(model_dir: Path, path: Path, *, seed: int = 0, **options: object) -> Path:
+    """A PEFT LoRA adapter of the model in ``model_dir`` (every attention and MLP projection, rank 8, unless
+    ``options`` say otherwise), saved into ``path``. ``init_lora_weights=False`` draws B at random too, so the
+    adapter changes the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = {"r": 8, "lora_alpha": 16, "target_modules": targets, "init_lora_weights": False, **options}
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(base, LoraConfig(**config))
+    model.save_pretrained(str(path))
+    return path

@@ -9,6 +9,7 @@
 #include "../models/csrc/bf16_tiles.cpp"  // before bf16_packed.cpp, which calls it
 #include "../models/csrc/bf16_packed.cpp"
 #include "../models/csrc/fused_ops.cpp"
+#include "../models/csrc/lora_ops.cpp"
 #include "../models/csrc/quant_linear.cpp"
 #include "../models/csrc/quant_packed.cpp"
 #include "greedy.cpp"
@@ -21,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_linear(m);
   register_quant_packed(m);
   register_fused_ops(m);
+  register_lora_ops(m);
   register_bf16_linear(m);
   register_bf16_tiles(m);
   register_bf16_packed(m);

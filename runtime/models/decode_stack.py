@@ -7,8 +7,8 @@ the reference and the path for everything the stack does not cover.
 
 It applies to a step when all of these hold, checked per step (``stack_for``):
 
-* every row is a decode row and the compiled CPU decode-attention kernel attends them (``kernel_decode_rows``), and
-  no row runs with a LoRA adapter;
+* every row is a decode row and the compiled CPU decode-attention kernel attends them (``kernel_decode_rows``);
+  rows with LoRA adapters get their updates in the stack as ``LoRABatch.apply`` adds them (``lora_groups``);
 * the model is the plain shared decoder: no q/k norms, full-width RoPE, no windows, attention scales, soft-capping,
   sandwich norms, GELU or routed experts, no forward hooks (tensor parallelism's all-reduces);
 * every projection runs on a kernel the stack can call at this many rows: packed GGUF blocks (``quant_packed``),
@@ -59,7 +59,7 @@ def suspend(model: nn.Module) -> None:
 def stack_for(model: nn.Module, residual: torch.Tensor, ctx: ForwardContext) -> tuple[Any, KernelRows] | None:
     """(stack, (slots, lens, groups)) when this step (its embeddings ``residual``) can run on the stack (see the
     module doc), else None."""
-    if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu" or ctx.lora is not None:
+    if not envs.decode_stack() or torch.is_grad_enabled() or residual.device.type != "cpu":
         return None
     built = model.__dict__.get(_ATTR, False)
     if built is False:
@@ -73,6 +73,29 @@ def stack_for(model: nn.Module, residual: torch.Tensor, ctx: ForwardContext) -> 
     if layout is None:
         return None
     return built[0], layout
+
+
+def lora_groups(lora: Any, num_layers: int) -> Any:
+    """The stack's ``LoRAGroups`` of a step's ``LoRABatch`` (each adapter's weights made once for the stack)."""
+    kernels = load_kernels()
+    assert kernels is not None
+    weights, starts, ends, indexes = [], [], [], []
+    empty = torch.empty(0)
+    for adapter, rows in lora.groups:
+        made = adapter.__dict__.get("_stack_weights")
+        if made is None:
+            pairs = [adapter.weights.get((i, p), (empty, empty)) for i in range(num_layers) for p in _PROJECTIONS]
+            made = kernels.decode_stack.lora([a for a, _ in pairs], [b for _, b in pairs])
+            adapter.__dict__["_stack_weights"] = made
+        weights.append(made)
+        span = rows if isinstance(rows, slice) else slice(0, -1)  # (-1: every row; an index tensor lists its own)
+        starts.append(span.start)
+        ends.append(span.stop)
+        indexes.append(rows if isinstance(rows, torch.Tensor) else empty)
+    return kernels.decode_stack.LoRAGroups(weights, starts, ends, indexes)
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the stack's order (``LoRAGroups.apply``)
 
 
 def _build(model: nn.Module) -> tuple[Any, int, torch.dtype] | None:

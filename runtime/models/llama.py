@@ -314,7 +314,9 @@ class LlamaForCausalLM(nn.Module):
         stack = decode_stack.stack_for(self, residual, ctx)
         if stack is not None:  # every layer in one compiled call: the same kernels, the same bits
             kernel, (slots, lens, groups) = stack
-            x = kernel.forward(residual, *rope, ctx.pool.layers, ctx.meta.out_slots, slots, lens, groups)
+            lora = decode_stack.lora_groups(ctx.lora, self.args.num_layers) if ctx.lora is not None else None
+            x = kernel.forward(residual, *rope, ctx.pool.layers, ctx.meta.out_slots, slots, lens, groups,
+                               **({"lora": lora} if lora is not None else {}))  # fmt: skip
             return self.model.norm.add_forward(x, residual)
         x = None
         for i, layer in enumerate(self.model.layers):

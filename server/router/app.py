@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -241,7 +242,8 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
 
     async def _everywhere(request: Request, path: str) -> Response:
         """Every replica serves the same adapters: the call goes to each healthy one; the answer is the first
-        failure's (a 4xx in the API's shape) or, when all succeed, the first answer."""
+        failure's (a 4xx in the API's shape, with each replica's status under ``replicas``: a retry finds the
+        adapter already loaded where it succeeded) or, when all succeed, the first answer."""
         state = _state(request)
         targets = list(state.pool.candidates())
         if not targets:
@@ -252,9 +254,13 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
         if not failed:
             return Response(str(answers[0][1]), media_type="text/plain")
         replica, status, answer = failed[0]
+        statuses = {r: code for r, (code, _) in zip(targets, answers, strict=True)}
         if status == 0:
-            return error_response(502, f"replica {replica} did not answer {path}: {answer}", "replica_failed")
-        return JSONResponse(answer, status_code=status) if isinstance(answer, dict) else Response(str(answer), status)
+            response = error_response(502, f"replica {replica} did not answer {path}: {answer}", "replica_failed")
+            answer, status = json.loads(response.body), 502
+        if not isinstance(answer, dict):
+            answer = {"error": {"message": str(answer), "type": "api_error", "param": None, "code": status}}
+        return JSONResponse({**answer, "replicas": statuses}, status_code=status)
 
     @api.get("/router_info", summary="Replicas' health and load, and routing statistics")
     async def router_info(request: Request) -> dict[str, Any]:

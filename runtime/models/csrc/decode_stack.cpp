@@ -13,12 +13,15 @@
 //   qkv = qkv_proj(h); RoPE on q and k in place; k, v written to the layer's pool slots
 //   o = o_proj(decode_attention(q, pool, slots, lens))
 //   h = add_rms_norm(o, residual, w_post);  x = down_proj(silu_mul(gate_up_proj(h)))  (one call where gated)
-// and the last layer's x is returned (the caller adds it and applies the final norm).
+// and the last layer's x is returned (the caller adds it and applies the final norm). With LoRA adapters, each
+// projection's output gets its row groups' updates as runtime/lora.py LoRABatch.apply adds them (the same ops, so
+// the same bits), and a gated gate/up projection runs ungated so its output can take them.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace radixserve_decode_stack {
@@ -65,6 +68,61 @@ struct LinearOp {
     }
     return bias.defined() ? at::linear(x, weights[0], bias) : at::linear(x, weights[0]);
   }
+
+  // The projection itself, ungated (a gated gate/up weight as the Python Linear runs it unfused).
+  torch::Tensor plain(const torch::Tensor& x) const {
+    if (kind == 5) return radixserve_bf16_packed::linear(x, weights[0], bias.defined() ? bias : torch::Tensor());
+    return (*this)(x);
+  }
+};
+
+// An adapter's weights for the stack: per layer, per projection (0 qkv, 1 o, 2 gate_up, 3 down), A^T [in, r] and
+// B^T [r, out] in float32 (empty: the projection is not adapted).
+struct LoRAWeights {
+  std::vector<torch::Tensor> at, bt;  // [layer * 4 + projection]
+};
+
+std::shared_ptr<LoRAWeights> make_lora(std::vector<torch::Tensor> at, std::vector<torch::Tensor> bt) {
+  TORCH_CHECK(at.size() == bt.size() && at.size() % 4 == 0, "decode_stack: LoRA weights, 4 projections a layer");
+  auto w = std::make_shared<LoRAWeights>();
+  w->at = std::move(at);
+  w->bt = std::move(bt);
+  return w;
+}
+
+// The adapters of a step's rows: group g uses weights[g] on rows [start, end) (every row when end is -1), or on
+// the rows ``index`` lists when it is not empty.
+struct LoRAGroups {
+  std::vector<std::shared_ptr<LoRAWeights>> weights;
+  std::vector<int64_t> starts, ends;
+  std::vector<torch::Tensor> indexes;
+
+  bool empty() const { return weights.empty(); }
+
+  // y += each group's update of the projection ``p`` of layer ``layer`` applied to x (LoRABatch.apply's ops).
+  void apply(int64_t layer, int64_t p, const torch::Tensor& x, torch::Tensor& y) const {
+    for (size_t g = 0; g < weights.size(); ++g) {
+      const torch::Tensor& at = weights[g]->at[layer * 4 + p];
+      if (at.numel() == 0) continue;
+      const torch::Tensor& bt = weights[g]->bt[layer * 4 + p];
+      const bool all = indexes[g].numel() == 0 && starts[g] == 0 && (ends[g] < 0 || ends[g] >= x.size(0));
+      const int64_t n = indexes[g].numel() > 0 ? indexes[g].numel() : all ? x.size(0) : ends[g] - starts[g];
+      if (n <= radixserve_lora_ops::kMaxRows) {  // each row on its own (lora_ops.cpp)
+        radixserve_lora_ops::add_update(y, x, at, bt, all ? 0 : starts[g], all ? x.size(0) : ends[g], indexes[g]);
+        continue;
+      }
+      if (indexes[g].numel() > 0) {
+        torch::Tensor xs = x.index({indexes[g]});
+        if (xs.scalar_type() != at.scalar_type()) xs = xs.to(at.scalar_type());
+        y.index_put_({indexes[g]}, (y.index({indexes[g]}) + xs.mm(at).mm(bt)).to(y.scalar_type()));
+        continue;
+      }
+      torch::Tensor xs = all ? x : x.narrow(0, starts[g], ends[g] - starts[g]);
+      if (xs.scalar_type() != at.scalar_type()) xs = xs.to(at.scalar_type());
+      torch::Tensor rows = all ? y : y.narrow(0, starts[g], ends[g] - starts[g]);
+      rows.add_(xs.mm(at).mm(bt));
+    }
+  }
 };
 
 LinearOp make_linear(int64_t kind, std::vector<torch::Tensor> weights, std::vector<int64_t> types,
@@ -108,7 +166,7 @@ class Stack {
   // (or none). Returns the last layer's MLP output.
   torch::Tensor forward(torch::Tensor residual, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
                         torch::Tensor out_slots, torch::Tensor slots, torch::Tensor lens,
-                        std::optional<torch::Tensor> groups) const {
+                        std::optional<torch::Tensor> groups, const LoRAGroups& lora) const {
     const int64_t T = residual.size(0), h = heads_, hkv = kv_heads_, d = head_dim_;
     TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "decode_stack: residual [T, hidden]");
     TORCH_CHECK(kv.dim() == 5 && kv.size(0) == num_layers() && kv.size(2) == hkv && kv.size(4) == d &&
@@ -127,6 +185,7 @@ class Stack {
       torch::Tensor hn = x.defined() ? radixserve_fused_ops::add_rms_norm(x, residual, layer.norm_in, eps_)
                                      : radixserve_fused_ops::rms_norm(residual, layer.norm_in, eps_);
       torch::Tensor qkv = layer.qkv(hn);
+      if (!lora.empty()) lora.apply(i, 0, hn, qkv);
       torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({T, h + hkv, d});
       radixserve_fused_ops::rope(qk, cos, sin);
       torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({T, hkv, d});
@@ -135,9 +194,20 @@ class Stack {
       torch::Tensor att =
           radixserve_decode_attention::decode_attention(qk.narrow(1, 0, h).contiguous(), pool, slots, lens, scale,
                                                         groups)[0];
-      torch::Tensor o = layer.o(att.view({T, h * d}));
+      torch::Tensor a = att.view({T, h * d});
+      torch::Tensor o = layer.o(a);
+      if (!lora.empty()) lora.apply(i, 1, a, o);
       torch::Tensor h2 = radixserve_fused_ops::add_rms_norm(o, residual, layer.norm_post, eps_);
-      x = layer.down(layer.gate_up.kind == 5 ? layer.gate_up(h2) : radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
+      if (lora.empty()) {
+        x = layer.down(layer.gate_up.kind == 5 ? layer.gate_up(h2)
+                                               : radixserve_fused_ops::silu_mul(layer.gate_up(h2)));
+        continue;
+      }
+      torch::Tensor gate_up = layer.gate_up.plain(h2);
+      lora.apply(i, 2, h2, gate_up);
+      torch::Tensor m = radixserve_fused_ops::silu_mul(gate_up);
+      x = layer.down(m);
+      lora.apply(i, 3, m, x);
     }
     return x;
   }
@@ -170,11 +240,20 @@ void register_decode_stack(pybind11::module_& parent) {
   auto m = parent.def_submodule("decode_stack");
   py::class_<ds::LinearOp>(m, "LinearOp");
   m.def("linear", &ds::make_linear, "a linear layer of the stack: kind, weights, block types, output sizes, K, bias");
+  py::class_<ds::LoRAWeights, std::shared_ptr<ds::LoRAWeights>>(m, "LoRAWeights");
+  m.def("lora", &ds::make_lora, "an adapter's A^T and B^T per layer and projection (qkv, o, gate_up, down)");
+  py::class_<ds::LoRAGroups>(m, "LoRAGroups")
+      .def(py::init([](std::vector<std::shared_ptr<ds::LoRAWeights>> w, std::vector<int64_t> starts,
+                       std::vector<int64_t> ends, std::vector<torch::Tensor> indexes) {
+        TORCH_CHECK(w.size() == starts.size() && w.size() == ends.size() && w.size() == indexes.size(),
+                    "decode_stack: a start, an end and an index per LoRA group");
+        return ds::LoRAGroups{std::move(w), std::move(starts), std::move(ends), std::move(indexes)};
+      }));
   py::class_<ds::Stack>(m, "Stack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &ds::Stack::add_layer)
       .def_property_readonly("num_layers", &ds::Stack::num_layers)
       .def("forward", &ds::Stack::forward, py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("kv"),
            py::arg("out_slots"), py::arg("slots"), py::arg("lens"), py::arg("groups") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("lora") = ds::LoRAGroups{}, py::call_guard<py::gil_scoped_release>());
 }
