@@ -7,6 +7,10 @@ adapter and base rows). Prints decode tok/s per case (median over ``--rounds``) 
 
     python -m bench.lora                       # SmolLM2-135M, dtype auto, rank 16
     python -m bench.lora --rank 64 --quantization none
+
+``--peers`` serves the same adapter with ``radixserve serve`` (plain bfloat16 weights) and with vLLM's CPU build
+(``--enable-lora``, through ``../shared/peers/vllm-cpu.sh``), one after the other, and sends each the peer
+benchmark's one-user and 16-user workloads with the adapter as the model (``bench.peers``), printing the ratios.
 """
 
 from __future__ import annotations
@@ -85,7 +89,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--peers", action="store_true", help="served, against vLLM-CPU with the same adapter")
     args = p.parse_args()
+    if args.peers:
+        return peers(args)
     folder = resolve_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         adapter = write_adapter(Path(tmp) / "adapter", load_hf_config(folder), args.rank)
@@ -115,6 +122,32 @@ def main() -> None:
             engine.shutdown()
     print(f"\n# LoRA rank {args.rank}, every projection; {machine_summary()}")
     print(format_table(["case", "rows", "decode tok/s", "x base"], rows))
+
+
+def peers(args: argparse.Namespace) -> None:
+    from bench.common import safetensors_folder
+    from bench.peer_workloads import one_user, sixteen_users
+    from bench.peers import bench_engine, radixserve, report, summary, vllm
+    from radixserve.runtime.weights import load_tokenizer
+
+    folder = resolve_model(args.model)
+    tokenizer = load_tokenizer(folder)
+    workloads = [one_user(tokenizer), sixteen_users(tokenizer)]
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = write_adapter(Path(tmp) / "adapter", load_hf_config(folder), args.rank)
+        ours = f"--quantization none --lora-modules bench={adapter}"
+        theirs = f"--enable-lora --lora-modules bench={adapter} --max-lora-rank {args.rank} --max-loras 1"
+        rounds = []
+        for i in range(args.rounds):
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+            results = {
+                "radixserve": bench_engine("radixserve", radixserve(args.model, ours), workloads, tokenizer, "bench"),
+                "vllm": bench_engine("vllm", vllm(safetensors_folder(folder), theirs), workloads, tokenizer, "bench"),
+            }
+            print(report(results, workloads))
+            rounds.append(results)
+    print(f"\n# LoRA rank {args.rank}, served; medians over {args.rounds} rounds; {machine_summary()}")
+    print(summary(rounds, workloads))
 
 
 if __name__ == "__main__":

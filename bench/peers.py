@@ -80,17 +80,20 @@ def llama_server(gguf: Path, extra: str, parallel: int = 16, ctx_per_slot: int =
     return _process([*argv, "--alias", SERVED, *shlex.split(extra)], port, "llama-server")
 
 
-def _warm_up(url: str, tokenizer: object) -> None:
-    asyncio.run(run(url, SERVED, Workload("warm-up", (((1, 2, 3, 4),),), 8, 1), tokenizer))
+def _warm_up(url: str, tokenizer: object, model: str = SERVED) -> None:
+    asyncio.run(run(url, model, Workload("warm-up", (((1, 2, 3, 4),),), 8, 1), tokenizer))
 
 
-def bench_engine(name: str, server: contextmanager, workloads: list[Workload], tokenizer: object) -> dict[str, Result]:
+def bench_engine(
+    name: str, server: contextmanager, workloads: list[Workload], tokenizer: object, model: str = SERVED
+) -> dict[str, Result]:
+    """``model``: the name requests send (a LoRA adapter's, say)."""
     print(f"{name}:", flush=True)
     out: dict[str, Result] = {}
     with server as url:
-        _warm_up(url, tokenizer)
+        _warm_up(url, tokenizer, model)
         for wl in workloads:
-            res = asyncio.run(run(url, SERVED, wl, tokenizer))
+            res = asyncio.run(run(url, model, wl, tokenizer))
             out[wl.name] = res
             errors = f", ERRORS {res.errors[:2]}" if res.errors else ""
             print(
