@@ -10,6 +10,7 @@ it replaced (``LoRAAdapter.key``). Answers are vLLM's plain-text lines; errors h
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
@@ -32,7 +33,8 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = Field(None, description="vLLM's; not needed here (adapters are known by name).")
 
 
-def _allowed(state: ServerState) -> None:
+def _engine(state: ServerState) -> Any:
+    """The engine to change, once the server allows changing it."""
     if not state.config.allow_runtime_lora_updating:
         raise APIError(
             400,
@@ -40,14 +42,13 @@ def _allowed(state: ServerState) -> None:
             "(or serve the adapters with --lora-modules)",
             code="lora_updating_disabled",
         )
+    return state.ready_engine()
 
 
 @router.post("/v1/load_lora_adapter", summary="Load a LoRA adapter (with --allow-runtime-lora-updating)")
 @router.post("/load_lora_adapter", include_in_schema=False)
 async def load_lora_adapter(body: LoadLoRARequest, state: StateDep) -> PlainTextResponse:
-    _allowed(state)
-    engine = state.ready_engine()
-    name = body.lora_name.strip()
+    engine, name = _engine(state), body.lora_name.strip()
     try:
         state.check_adapter_names((name,))
     except ValueError as exc:
@@ -69,9 +70,7 @@ async def load_lora_adapter(body: LoadLoRARequest, state: StateDep) -> PlainText
 @router.post("/v1/unload_lora_adapter", summary="Unload a LoRA adapter (with --allow-runtime-lora-updating)")
 @router.post("/unload_lora_adapter", include_in_schema=False)
 async def unload_lora_adapter(body: UnloadLoRARequest, state: StateDep) -> PlainTextResponse:
-    _allowed(state)
-    engine = state.ready_engine()
-    name = body.lora_name.strip()
+    engine, name = _engine(state), body.lora_name.strip()
     try:
         await asyncio.to_thread(engine.unload_lora, name)
     except LookupError as exc:
