@@ -273,9 +273,11 @@ class LoRAs:
         rows: dict[str, list[tuple[int, int]]] = {}
         start = 0
         for name, n in zip(names, counts, strict=True):
-            if name is not None:
+            if name is not None and n > 0:  # (no group is empty: an empty index would mean no rows, not all)
                 rows.setdefault(name, []).append((start, start + n))
             start += n
+        if not rows:
+            return None
         groups: list[tuple[LoRAAdapter, slice | torch.Tensor | None]] = []
         for name, spans in rows.items():
             if spans == [(0, start)]:

@@ -1,4 +1,5 @@
-// LoRA updates of a few rows: y[i] += (x[i] A^T) B^T for each listed row i, in one pass with no allocation.
+// LoRA updates of a few rows: y[i] += (x[i] A^T) B^T for each listed row i (each row at most once), in one pass
+// over the weights per block of rows.
 //
 // A decode step adds hundreds of these small products (four projections a layer): as two matmuls each they are
 // tens of microseconds of dispatch, and the BLAS's sums, blocked by the row count and the memory's alignment, give
