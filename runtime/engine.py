@@ -280,6 +280,7 @@ class Engine(EngineAPI):
                 "cache_stats": {**core.stats.as_dict(), "evicted_tokens": core.cache.evicted_tokens},
                 "kv_tier": core.cache.tier.info() if core.cache.tier is not None else None,
                 "speculative": core.drafter.info() if core.drafter is not None else None,
+                "lora_adapters": list(core.lora_names),  # (config's lora_modules: those given at start)
                 "grammar": {"queue": len(core.grammar_queue), **self.grammar.info()},
                 "max_context_len": self.max_context_len,
                 "device": str(self.device),

@@ -216,6 +216,7 @@ def test_adapters_are_loaded_and_unloaded_while_serving(
 
         assert load("x", adapters["some"]).text == "Success: LoRA adapter 'x' added successfully."
         assert "x" in {m.id for m in client.models.list().data}
+        assert httpx.get(srv.url + "/server_info").json()["lora_adapters"] == ["every", "some", "x"]
         assert run("x") == (want["some"], 0)  # its own cache namespace, not "some"'s
         assert run("x")[1] == len(prompt) - 1
         assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
