@@ -370,7 +370,7 @@ class Engine(EngineAPI):
         self._dispatch([core._delta(req) or final_output(req) for req in reqs])
         self._fail_inbox()
         if core.cache.tier is not None:
-            self._persist_at_exit(core.cache.tier)
+            core.cache.save_at_exit(PERSIST_EXIT_S, save=self.error is None)
 
     def _maybe_persist(self) -> None:
         """Save the radix cache to the KV tier every ``--hicache-persist-interval`` seconds (a little at a time:
@@ -380,27 +380,6 @@ class Engine(EngineAPI):
             return
         self.core.cache.persist(PERSIST_STEP_BUDGET_S)
         self._last_persist = time.monotonic()
-
-    def _persist_at_exit(self, tier: KVTier) -> None:
-        """On a graceful stop, write the radix cache to the tier for a warm restart, within ``PERSIST_EXIT_S``."""
-        deadline = time.monotonic() + PERSIST_EXIT_S
-        done = False
-        if self.error is None:
-            try:
-                while not done and time.monotonic() < deadline:
-                    done = self.core.cache.persist(deadline - time.monotonic())
-                    if not done:
-                        tier.drain(min(0.5, max(0.0, deadline - time.monotonic())))
-            except Exception:  # noqa: BLE001 - a failed save must not keep the process from stopping
-                logger.exception("saving the radix cache to the KV tier failed")
-        tier.close(max(0.0, deadline - time.monotonic()))
-        if self.error is None:
-            info = tier.info()
-            logger.info(
-                "KV tier: %s; %d chunks (%.1f MiB) kept for the next start",
-                "radix cache saved" if done else "radix cache partly saved (out of time)",
-                info["stored_chunks"], info["stored_bytes"] / 2**20,
-            )  # fmt: skip
 
     def _drain(self, block: bool) -> None:
         try:

@@ -14,6 +14,7 @@ shutdown, for a warm restart). The tier holds no slots, so the accounting above 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 
@@ -21,6 +22,8 @@ from radixserve.radix import RadixTree, TreeNode
 from radixserve.runtime.kv_pool import SlotAllocator
 from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.request import SALTED_IDS, FinishReason, Req
+
+logger = logging.getLogger("radixserve.engine")
 
 
 class KVCacheManager:
@@ -172,6 +175,29 @@ class KVCacheManager:
                 keys.extend(new)
             stack.extend((child, len(tokens)) for child in node.children.values())
         return True
+
+    def save_at_exit(self, budget_s: float, save: bool = True) -> None:
+        """On a graceful stop (``save``), write the radix cache to the tier for a warm restart, within ``budget_s``
+        seconds; then close the tier (after a fault: only close it)."""
+        assert self.tier is not None
+        tier, deadline = self.tier, time.monotonic() + budget_s
+        done = False
+        if save:
+            try:
+                while not done and time.monotonic() < deadline:
+                    done = self.persist(deadline - time.monotonic())
+                    if not done:
+                        tier.drain(min(0.5, max(0.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - a failed save must not keep the process from stopping
+                logger.exception("saving the radix cache to the KV tier failed")
+        tier.close(max(0.0, deadline - time.monotonic()))
+        if save:
+            info = tier.info()
+            logger.info(
+                "KV tier: %s; %d chunks (%.1f MiB) kept for the next start",
+                "radix cache saved" if done else "radix cache partly saved (out of time)",
+                info["stored_chunks"], info["stored_bytes"] / 2**20,
+            )  # fmt: skip
 
     def trim(self, req: Req) -> None:
         """Free the slots past the request's computed tokens (rejected speculative drafts)."""
