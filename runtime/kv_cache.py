@@ -62,7 +62,7 @@ class KVCacheManager:
 
     def prefetch(self, req: Req) -> None:
         """Have the tier read ahead the chunks of a new request's prompt that lie past the tree's match."""
-        if self.tier is None or self.tree is None or req.params.cache_namespace is not None:
+        if self.tier is None or self.tree is None or req.cache_namespace is not None:
             return
         head = req.all_ids[: req.total - 1]  # admission always leaves the last token to compute
         first, last = self.tree.cached_prefix_len(head) // self.tier.chunk_tokens, len(head) // self.tier.chunk_tokens
@@ -97,7 +97,7 @@ class KVCacheManager:
         req.prefix_handle = match.node
         req.slots = list(match.slots)
         req.prefix_len = req.num_computed = len(match.slots)
-        salted = req.params.cache_namespace is not None  # the tier keys chunks by tokens alone: kept out of it
+        salted = req.cache_namespace is not None  # the tier keys chunks by tokens alone: kept out of it
         if self.tier is not None and not salted and limit - req.prefix_len >= self.tier.chunk_tokens:
             self._load_from_tier(req, limit)
         return req.prefix_len

@@ -11,7 +11,7 @@ Ownership: ``LoRAs`` (the adapters, read-only once loaded) belongs to the model 
 ``LoRABatch`` per step that has adapter rows and hands it to the model through ``ForwardContext.lora``. A step
 with adapter rows runs the layers in Python (not the compiled decode stack or a CUDA graph); one without runs as
 it would with no adapter loaded. The radix cache keys an adapter's KV apart from the base model's and other
-adapters' (``SamplingParams.cache_namespace``).
+adapters' (``Req.cache_namespace``).
 """
 
 from __future__ import annotations

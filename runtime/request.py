@@ -54,7 +54,7 @@ SALTED_IDS = 1 << 32
 
 @functools.lru_cache(maxsize=4096)
 def salt_offset(namespace: tuple[str | None, str | None]) -> int:
-    """What a cache namespace (``SamplingParams.cache_namespace``: a cache_salt, an adapter) adds to token ids in the
+    """What a cache namespace (``Req.cache_namespace``: a cache_salt, an adapter) adds to token ids in the
     radix tree: a 64-bit hash of it, times ``SALTED_IDS`` (non-zero)."""
     digest = hashlib.blake2b(json.dumps(namespace).encode(), digest_size=8, person=b"radixsalt").digest()
     return (int.from_bytes(digest, "little") | 1) * SALTED_IDS
@@ -142,14 +142,24 @@ class Req:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
+    def cache_namespace(self) -> tuple[str | None, str | None] | None:
+        """What keeps this request's cached KV apart: its cache_salt and its adapter's load (an adapter's KV differs
+        from the base model's for the same tokens, and from that of an adapter loaded before under its name); None:
+        the shared base-model cache. A pair, so that no salt can name an adapter's namespace."""
+        if self.params.cache_salt is None and self.params.lora_name is None:
+            return None
+        return (self.params.cache_salt, self.lora_key or self.params.lora_name)
+
+    @property
     def cache_ids(self) -> list[int]:
         """The ids the radix tree keys this request's KV by: ``all_ids``, or in a cache namespace (a ``cache_salt``,
-        a LoRA adapter: ``SamplingParams.cache_namespace``) each id moved above every token id by the namespace's
+        a LoRA adapter: ``cache_namespace``) each id moved above every token id by the namespace's
         hash, so that requests of other namespaces (or none) share no cached prefix with it, and cannot time one
         (vLLM's ``cache_salt``)."""
-        if self.params.cache_namespace is None:
+        namespace = self.cache_namespace
+        if namespace is None:
             return self.all_ids
-        offset = salt_offset((self.params.cache_salt, self.lora_key or self.params.lora_name))
+        offset = salt_offset(namespace)
         if self._salted_prompt is None:  # the prompt never changes: moved once
             self._salted_prompt = [t + offset for t in self.prompt_ids]
         return self._salted_prompt + [t + offset for t in self.output_ids]

@@ -61,15 +61,6 @@ class SamplingParams:
     constraint: ConstraintSpec | None = None
 
     @property
-    def cache_namespace(self) -> tuple[str | None, str | None] | None:
-        """What keeps this request's cached KV apart (``Req.cache_ids``, which keys an adapter by its load): its
-        cache_salt and its adapter (an adapter's KV differs from the base model's for the same tokens); None: the
-        shared base-model cache. A pair, so that no salt can name an adapter's namespace."""
-        if self.cache_salt is None and self.lora_name is None:
-            return None
-        return (self.cache_salt, self.lora_name)
-
-    @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 

@@ -28,7 +28,7 @@ from radixserve.runtime import envs
 from radixserve.runtime.config import EngineConfig, add_arguments, check_env_errors, from_args
 from radixserve.runtime.logs import configure_logging
 from radixserve.runtime.lora_spec import lora_names
-from radixserve.server.config import ServerConfig, default_served_name
+from radixserve.server.config import ServerConfig, check_adapter_names, default_served_name
 
 logger = logging.getLogger("radixserve.server")
 
@@ -173,9 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_config = from_args(EngineConfig, args)
         server_config = from_args(ServerConfig, args)
         served = server_config.served_model_name or (default_served_name(engine_config.model),)
-        taken = sorted(set(lora_names(engine_config.lora_modules)) & {*served, engine_config.model})
-        if taken:
-            raise ValueError(f"--lora-modules: {taken[0]!r} is a name of the base model; give the adapter another")
+        check_adapter_names(lora_names(engine_config.lora_modules), served, engine_config.model)
     except ValueError as exc:
         errors.error(str(exc))
     configure_logging(server_config.log_level, server_config.log_format)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,3 +211,13 @@ def default_served_name(model_spec: str) -> str:
     """The name clients see for ``model_spec``: a built-in name as is, a path by its last component."""
     name = Path(model_spec.rstrip("/\\")).name
     return name.removesuffix(".gguf") or model_spec
+
+
+def check_adapter_names(adapters: Sequence[str], served_names: Sequence[str], model_spec: str) -> None:
+    """``ValueError`` when an adapter would be named as the base model (a request could not name either)."""
+    taken = sorted(set(adapters) & {*served_names, model_spec})
+    if taken:
+        raise ValueError(
+            f"--lora-modules: the adapter name {taken[0]!r} is a name of the base model (--served-model-name or "
+            "--model); give the adapter another name"
+        )

@@ -55,8 +55,6 @@ async def load_lora_adapter(body: LoadLoRARequest, state: StateDep) -> PlainText
         raise APIError(400, str(exc).removeprefix("--lora-modules: "), param="lora_name") from None
     if not name:
         raise APIError(400, "lora_name must name the adapter (it is blank)", param="lora_name")
-    if name in engine.lora_names:
-        raise APIError(400, f"a LoRA adapter named {name!r} is already loaded; unload it first", param="lora_name")
     try:
         await asyncio.to_thread(engine.load_lora, name, body.lora_path.strip())
     except ValueError as exc:

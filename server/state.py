@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixserve.server.chat import render_chat
-from radixserve.server.config import ServerConfig, default_served_name, load_chat_template
+from radixserve.server.config import ServerConfig, check_adapter_names, default_served_name, load_chat_template
 from radixserve.server.errors import APIError
 from radixserve.server.generation_defaults import sampling_defaults
 from radixserve.server.metrics import Metrics
@@ -136,14 +136,8 @@ class ServerState:
         """The LoRA adapters served (``--lora-modules``, and those loaded since): each is a model name of its own."""
         return self._engine.lora_names if self._engine is not None else ()
 
-    def check_adapter_names(self, names: tuple[str, ...]) -> None:
-        """``ValueError`` when an adapter would be named as the base model (a request could not name either)."""
-        taken = sorted(set(names) & {*self.served_names, self.model_spec})
-        if taken:
-            raise ValueError(
-                f"--lora-modules: the adapter name {taken[0]!r} is a name of the base model (--served-model-name or "
-                "--model); give the adapter another name"
-            )
+    def check_adapter_names(self, names: Sequence[str]) -> None:
+        check_adapter_names(names, self.served_names, self.model_spec)
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 unless ``model`` is the served name, the

@@ -176,6 +176,9 @@ def test_lora_rows_on_the_stack_get_the_python_layers_numbers(
     _clear_choices()
     prompts = [[5 + i, 17, 42, 99, 7, 3 + i] for i in range(5)]
     names = ["a", None, "a", "b", None]  # "a" scattered, "b" alone, base rows between
+    # Both engines on the same thread count: oneDNN's float32 products of a few rows split their sums by it, and
+    # the count a start measures (``StepThreads``) follows the machine's load.
+    monkeypatch.setenv("RADIXSERVE_TUNE_THREADS", "0")
     runs = {}
     for stack in ("1", "0"):
         monkeypatch.setenv("RADIXSERVE_DECODE_STACK", stack)
