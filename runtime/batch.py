@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 
@@ -81,6 +82,8 @@ class StepResult:
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     errors: dict[int, Failure] = field(default_factory=dict)  # chunk index -> why that request failed
     accepted: dict[int, list[int]] = field(default_factory=dict)  # chunk index -> the drafts kept
+    # chunk index -> what the chunk adds to its request's embedding (``runtime.pooling.pool_chunk``)
+    pooled: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
     def failed(cls, n: int, failure: Failure) -> StepResult:
@@ -96,4 +99,5 @@ class StepResult:
             self.prompt_logprobs + other.prompt_logprobs,
             {**self.errors, **{n + i: f for i, f in other.errors.items()}},
             {**self.accepted, **{n + i: a for i, a in other.accepted.items()}},
+            {**self.pooled, **{n + i: p for i, p in other.pooled.items()}},
         )

@@ -31,6 +31,9 @@ def _opt(
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
+# Other servers' switches that set a field to a value: flag -> (field, value).
+SWITCH_FLAGS = {"--is-embedding": ("runner", "pooling")}  # SGLang's
+
 # Flags that are gone, mapped to the field that replaced them: still accepted, with a warning.
 DEPRECATED_FLAGS = {
     "--mem-fraction": (
@@ -51,6 +54,14 @@ class EngineConfig:
         "A local HF folder, a .gguf file, a Hugging Face model id (ORG/NAME: the HF cache, then the hub), or the "
         "built-in name smollm2-135m-instruct.",
         aliases=("--model-path",),
+    )
+    runner: str = _opt(
+        "auto",
+        "What the model serves: generate (text), or pooling (embeddings on /v1/embeddings: the prompt's hidden "
+        "states pooled as the model's sentence-transformers files say, else its last token's, normalized). auto: "
+        "pooling for a folder with sentence-transformers' modules.json, else generate. SGLang's --is-embedding "
+        "is --runner pooling.",
+        ("auto", "generate", "pooling"),
     )
     revision: str = _opt("", "Revision (branch, tag or commit) of a Hugging Face model id; default: main.")
     tokenizer: str = _opt("", "Tokenizer folder or Hugging Face id, when it is not the model's.")
@@ -184,6 +195,8 @@ class EngineConfig:
     dist_init_addr: str = _opt("", "host:port of node 0's process-group rendezvous (required with --nnodes > 1).")
 
     def __post_init__(self) -> None:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"--runner must be auto, generate or pooling, got {self.runner!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
@@ -365,6 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             help=help_text if f.metadata.get("secret") else f"{help_text} (default: %(default)s)",
         )
     names = {f.name: _field_type(cls, f) for f in dataclasses.fields(cls)}
+    for flag, (dest, value) in SWITCH_FLAGS.items():
+        if dest in names:
+            parser.add_argument(flag, dest=dest, action="store_const", const=value, help=f"--{dest} {value}")
     for flag, (dest, warning) in DEPRECATED_FLAGS.items():
         if dest in names:
             parser.add_argument(flag, dest=dest, type=names[dest], action=_Deprecated, warning=warning,

@@ -74,6 +74,9 @@ class Engine(EngineAPI):
         self.load_seconds = loaded.load_seconds
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.pooling = loaded.pooling  # --runner pooling: the embeddings served (None: text)
+        if self.pooling is not None and config.tp > 1:
+            raise ValueError("embeddings (--runner pooling) are not served with --tp > 1 yet; serve with --tp 1")
         args = loaded.args
         self.vocab_size = args.vocab_size
         kv_heads = args.num_kv_heads // config.tp  # each rank holds its KV heads' shard of every slot
@@ -168,6 +171,7 @@ class Engine(EngineAPI):
             self.max_context_len,
             tier,
             drafter,
+            loaded.pooling,
         )
         self.grammar = GrammarSupport(
             loaded.tokenizer,
@@ -281,6 +285,7 @@ class Engine(EngineAPI):
                 "kv_tier": core.cache.tier.info() if core.cache.tier is not None else None,
                 "speculative": core.drafter.info() if core.drafter is not None else None,
                 "lora_adapters": list(core.lora_names),  # (config's lora_modules: those given at start)
+                "runner": "pooling" if self.pooling is not None else "generate",
                 "grammar": {"queue": len(core.grammar_queue), **self.grammar.info()},
                 "max_context_len": self.max_context_len,
                 "device": str(self.device),

@@ -88,6 +88,28 @@ class EngineAPI(ABC):
         results = [f.result() for f in done]
         return results[0] if single else results
 
+    def embed(
+        self,
+        inputs: Sequence[str] | Sequence[Sequence[int]],
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+    ) -> list[ReqOutput]:
+        """Blocking embeddings (``--runner pooling``) of texts (tokenized with the model's special tokens, as
+        sentence-transformers does) or token ids; each final ``ReqOutput`` has its ``embedding``, or ``error``.
+        Raises ``ValueError`` as ``submit`` does (for every input before any runs)."""
+        pooling = getattr(self, "pooling", None)
+        if pooling is None:
+            raise ValueError("this engine generates text: embeddings need --runner pooling")
+        params = pooling.request(dimensions, normalize)
+        ids = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
+        done: list[Future[ReqOutput]] = [Future() for _ in ids]
+
+        def sink(fut: Future[ReqOutput]) -> Sink:
+            return lambda out: fut.set_result(out) if out.finished else None
+
+        self.submit_all([(p, SamplingParams(max_new_tokens=0, pooling=params), sink(f)) for p, f in zip(ids, done)])
+        return [f.result() for f in done]
+
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None
     ) -> AsyncIterator[ReqOutput]:

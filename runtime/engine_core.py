@@ -29,6 +29,7 @@ from radixserve.runtime.validation import validate_request
 
 if TYPE_CHECKING:
     from radixserve.runtime.lora import LoRAAdapter
+    from radixserve.runtime.pooling import PoolingModel
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -44,8 +45,10 @@ class EngineCore:
         max_context_len: int,
         tier: KVTier | None = None,
         drafter: Drafter | None = None,
+        pooling: PoolingModel | None = None,
     ) -> None:
         self.config = config
+        self.pooling = pooling  # --runner pooling: requests are embeddings (``SamplingParams.pooling``)
         self.runner = runner
         # The adapters a request may name: replaced whole on the engine thread (read from any thread).
         self.lora_names = self.runner.loras.names if self.runner.loras is not None else ()
@@ -86,6 +89,7 @@ class EngineCore:
             self.cache.num_slots,
             self.config.schedule_policy,
             self.lora_names,
+            self.pooling,
         )
 
     def add(self, req: Req) -> None:
@@ -279,6 +283,8 @@ class EngineCore:
         req.num_computed = chunk.end
         if result.prompt_logprobs and result.prompt_logprobs[i]:
             req.prompt_logprobs.extend(result.prompt_logprobs[i])
+        if req.params.pooling is not None:
+            self._pool(req, chunk, result.pooled.get(i))
         if not chunk.is_decode:
             self.cache.cache_prefix(req)
         token = result.next_tokens[i]
@@ -295,6 +301,22 @@ class EngineCore:
         if self.drafter is not None:
             self._to_propose.append(req)
         return self._delta(req)
+
+    @staticmethod
+    def _pool(req: Req, chunk: ScheduledChunk, part) -> None:
+        """Gather what this chunk adds to an embedding (``runtime.pooling``); at the prompt's end, make it. A
+        request that pools every token takes no cached prefix, so its first chunk starts at 0 (also after a
+        retraction: what it gathered before is dropped)."""
+        pooling = req.params.pooling
+        assert pooling is not None
+        if chunk.start == 0:
+            req.pooled = None
+        if part is not None:
+            req.pooled = part if req.pooled is None else req.pooled + part
+        if chunk.sample:
+            assert req.pooled is not None  # (the chunk that reaches the end always gives a part)
+            req.embedding = pooling.finish(req.pooled, len(req.prompt_ids))
+            req.pooled = None
 
     def _apply_draft(self, i: int, chunk: ScheduledChunk, result: StepResult, now: float) -> ReqOutput | None:
         """A verified speculative chunk: the accepted drafts and the token after them join the output (as far as
@@ -428,6 +450,7 @@ class EngineCore:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
             prompt_logprobs=req.prompt_logprobs if req.finished and req.wants_prompt_logprobs else None,
+            embedding=req.embedding if req.finished else None,
             queue_time=(req.admit_time - req.arrival_time)
             if req.sent_token_len == 0 and req.sent_text_len == 0 and req.admit_time is not None
             else None,

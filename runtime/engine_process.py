@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.runtime import ipc
 from radixserve.runtime.config import EngineConfig
@@ -46,6 +46,9 @@ from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.runtime.validation import validate_request
 from radixserve.runtime.weights import load_tokenizer
+
+if TYPE_CHECKING:
+    from radixserve.runtime.pooling import PoolingModel
 
 logger = logging.getLogger("radixserve.engine")
 
@@ -96,6 +99,7 @@ class EngineProcess(EngineAPI):
         self._dead = False
         self._ready = False
         self.error: str | None = None
+        self.pooling: PoolingModel | None = None  # (known once ready)
         if wait:
             self.wait_ready()
 
@@ -121,6 +125,7 @@ class EngineProcess(EngineAPI):
         self.dtype = info.dtype
         self.device = info.device
         self.pid = info.pid
+        self.pooling = info.pooling
         self._reader = threading.Thread(target=self._read_loop, name="radixserve-engine-in", daemon=True)
         self._reader.start()
         self._ready = True
@@ -168,6 +173,7 @@ class EngineProcess(EngineAPI):
             self.kv_total_tokens,
             self.config.schedule_policy,
             self._lora_names,
+            self.pooling,
         )
         rid = rid or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._lock:
@@ -362,6 +368,7 @@ def _engine_main(config: EngineConfig, conn: Connection, log_level: str, log_for
                 dtype=info["dtype"],
                 device=info["device"],
                 pid=os.getpid(),
+                pooling=engine.pooling,
             )
         )
     )

@@ -16,6 +16,7 @@ from radixserve.runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from radixserve.constrained import ConstraintSpec
     from radixserve.runtime.config import EngineConfig
+    from radixserve.runtime.pooling import PoolingModel
 
 # --- front end -> engine ----------------------------------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class EngineInfo:
     dtype: str
     device: str
     pid: int
+    pooling: PoolingModel | None = None  # --runner pooling: the embeddings served
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class KVCacheManager:
         """Attach the longest cached prefix of the request's tokens and lock it; returns its length.
 
         At least one token is always left to compute (its logits give the next token), and so are the prompt
-        positions whose log-probabilities are still to be reported (``Req.next_logprob_pos`` on).
+        positions whose log-probabilities are still to be reported (``Req.next_logprob_pos`` on), and the whole
+        prompt of an embedding pooled over every token.
         """
         if req.slots or req.prefix_handle is not None:
             raise RuntimeError(f"{req.rid} admitted while still holding KV")
@@ -90,6 +91,8 @@ class KVCacheManager:
         limit = req.total - 1
         if req.scoring_prompt:
             limit = min(limit, req.next_logprob_pos)
+        if req.params.pooling is not None and req.params.pooling.needs_whole_prompt:
+            limit = 0  # its embedding reads every prompt token's hidden state (``runtime.pooling``)
         if limit <= 0:
             return 0
         match = self.tree.match_prefix(req.cache_ids[:limit])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from radixserve.runtime.models.linear import LoadPacker, onednn_usable, plain_bf
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs, RMSNorm
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
+from radixserve.runtime.pooling import PoolingModel, read_pooling, serves_embeddings
 from radixserve.runtime.quantized_checkpoint import QuantSpec, iter_quantized_weights
 from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
@@ -48,6 +50,7 @@ class LoadedModel:
     eos_token_ids: set[int]
     name: str
     load_seconds: float = 0.0  # building the model, reading and packing its weights (not the tokenizer)
+    pooling: PoolingModel | None = None  # --runner pooling: the embeddings it serves (None: it generates)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -240,6 +243,11 @@ def load_model(
     folder = model_folder(config)
     hf_config = load_hf_config(folder)
     args = ModelArgs.from_hf_config(hf_config)
+    pooling = read_pooling(folder, hf_config) if serves_embeddings(config.runner, folder) else None
+    if pooling is not None:
+        # Embeddings never read the head: it is the embedding's (tied), and a head the checkpoint has is not read.
+        args = dataclasses.replace(args, tie_word_embeddings=True)
+        logger.info("serving embeddings (--runner pooling): %s", pooling.describe())
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
     tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
@@ -293,4 +301,5 @@ def load_model(
         eos_token_ids=_eos_ids(folder, hf_config, tokenizer),
         name=config.model,
         load_seconds=load_seconds,
+        pooling=pooling,
     )

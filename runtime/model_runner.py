@@ -18,6 +18,7 @@ from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.greedy import finite_rows
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.logprobs import token_logprobs
+from radixserve.runtime.pooling import pool_chunk
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler
 from radixserve.runtime.step_layout import StepRow, lay_out
@@ -109,6 +110,7 @@ class ModelRunner:
         # shows there: such a request fails here, before its KV can be cached.
         n_rows = hidden.shape[0]
         hidden_ok = finite_rows(hidden[self._rows(last_rows, n_rows)])
+        pooled = self._pool(plan, hidden) if any(c.req.params.pooling is not None for c in plan.chunks) else {}
 
         # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
         candidates = [
@@ -126,7 +128,9 @@ class ModelRunner:
             rows = hidden[self._rows([last_rows[i] for i in candidates], n_rows)]
             picked = self.model.greedy_tokens(rows, self.sampler.vocab_size)  # logits checks, then tokens
             flags = torch.cat([hidden_ok, picked]).tolist()
-            return self._greedy_result(n, candidates, flags)
+            result = self._greedy_result(n, candidates, flags)
+            result.pooled = pooled
+            return result
 
         # The general path: the checks first (one transfer for both), then prompt log-probs, drafts and sampling.
         logits = None
@@ -155,7 +159,22 @@ class ModelRunner:
             self._sample(plan, [candidates[j] for j in keep], logits, next_tokens, logprobs, errors)
         if verify:
             self._verify(plan, verify, hidden, next_tokens, accepted, errors)
-        return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted)
+        return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted, pooled)
+
+    @staticmethod
+    def _pool(plan: BatchPlan, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        """What each embedding request's chunk adds to its embedding (``runtime.pooling``), by chunk index."""
+        out: dict[int, torch.Tensor] = {}
+        offset = 0
+        for i, chunk in enumerate(plan.chunks):
+            pooling = chunk.req.params.pooling
+            if pooling is not None:
+                rows = hidden[offset : offset + chunk.num_tokens]
+                part = pool_chunk(pooling, rows, chunk.start, chunk.sample)
+                if part is not None:
+                    out[i] = part
+            offset += chunk.num_tokens
+        return out
 
     def can_launch(self, reqs: list[Req]) -> bool:
         """Whether a decode step of ``reqs`` (one token each) can be launched without waiting (``launch``): it

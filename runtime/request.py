@@ -116,6 +116,10 @@ class Req:
         self.tier_keys: list[str] = []
         self._salted_prompt: list[int] | None = None  # ``cache_ids`` of the prompt, in a cache namespace
         self.lora_key: str | None = None  # the adapter's cache key (``LoRAAdapter.key``), set when it is added
+        # Embeddings (``params.pooling``): what the chunks computed so far gathered (a float32 tensor), then the
+        # embedding, made when the prompt's last chunk is computed.
+        self.pooled: Any = None
+        self.embedding: list[float] | None = None
         # Text state, owned by the detokenizer.
         self.detok: Any = None
         self.stop_checker: Any = None
@@ -222,3 +226,5 @@ class ReqOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     # Seconds from arrival to admission into a batch; set on a request's first message only.
     queue_time: float | None = None
+    # An embedding request's vector (``SamplingParams.pooling``), on its final message.
+    embedding: list[float] | None = None

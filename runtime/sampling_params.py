@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from radixserve.constrained import ConstraintSpec
+    from radixserve.runtime.pooling import Pooling
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -59,6 +60,8 @@ class SamplingParams:
     lora_name: str | None = None
     # Grammar the output must obey (JSON schema, regex, choices, CFG); compiled off the hot path.
     constraint: ConstraintSpec | None = None
+    # An embedding request (``--runner pooling``): its prompt's hidden states pooled; it generates nothing.
+    pooling: Pooling | None = None
 
     @property
     def greedy(self) -> bool:
@@ -118,5 +121,9 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}")
+        if self.pooling is not None and (
+            self.max_new_tokens != 0 or self.constraint is not None or self.logprob_start_len >= 0
+        ):
+            raise ValueError("an embedding request computes its prompt only: no new tokens, constraint or log-probs")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")

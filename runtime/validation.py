@@ -4,8 +4,12 @@ engine process (which refuses at once, without a round trip)."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from radixserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.runtime.pooling import PoolingModel
 
 
 def validate_request(
@@ -16,10 +20,18 @@ def validate_request(
     kv_slots: int,
     schedule_policy: str = "lpm",
     lora_names: Collection[str] = (),
+    pooling: PoolingModel | None = None,
 ) -> None:
     """Raise ``ValueError`` (a message fit for an API client) if the request can never be served. ``lora_names``:
-    the adapters served (``--lora-modules``)."""
+    the adapters served (``--lora-modules``); ``pooling``: the embeddings served (``--runner pooling``), whose
+    engine serves nothing else."""
     params.validate(vocab_size)
+    if pooling is None and params.pooling is not None:
+        raise ValueError("this server generates text: embeddings need a server started with --runner pooling")
+    if pooling is not None:
+        if params.pooling is None:
+            raise ValueError("this server serves embeddings (--runner pooling): it generates no text")
+        params.pooling.validate(pooling.hidden_size, pooling.matryoshka)
     if params.lora_name is not None and params.lora_name not in lora_names:
         served = f"it serves {', '.join(sorted(lora_names))}" if lora_names else "it serves no adapter now"
         raise ValueError(f"no LoRA adapter is named {params.lora_name!r} on this server; {served}")

@@ -23,6 +23,7 @@ from radixserve.server import (
     native_routes,
     openai_chat,
     openai_completions,
+    openai_embeddings,
     openai_models,
     openai_responses,
 )
@@ -92,6 +93,7 @@ def create_app(
     app.include_router(native_routes.health_router)
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
+    app.include_router(openai_embeddings.router)
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
     app.include_router(openai_models.router)

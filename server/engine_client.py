@@ -43,6 +43,7 @@ class Result:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None
 
     def add(self, out: ReqOutput) -> None:
         self.text += out.text
@@ -57,6 +58,7 @@ class Result:
             self.completion_tokens = out.completion_tokens
             self.cached_tokens = out.cached_tokens
             self.prompt_logprobs = out.prompt_logprobs
+            self.embedding = out.embedding
 
 
 class RequestGroup:

@@ -217,6 +217,24 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+class EmbeddingRequest(_NullIsDefault):
+    """OpenAI's embeddings request, with vLLM's extensions (``truncate_prompt_tokens``, ``add_special_tokens``,
+    ``normalize``, ``priority``, ``cache_salt``)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Matryoshka models: keep the first N values.")
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="Keep each input's last N tokens (-1: as many as fit)."
+    )
+    add_special_tokens: bool = Field(True, description="Tokenize texts with the model's special tokens.")
+    normalize: bool | None = Field(None, description="L2-normalize (default: as the model's recipe says).")
+    priority: int | None = None
+    cache_salt: str | None = None
+
+
 class GenerateRequest(_NullIsDefault):
     """SGLang-style native generation over text or token ids, single or batched."""
 

@@ -228,6 +228,7 @@ def test_routing_text_prefix_property() -> None:
     select_ = routing_text("/generate", {"input_ids": [[7, 8, 9]], "routing_text": "Review: great. Sentiment:"})
     assert select_ == program
     assert routing_text("/v1/completions", {"prompt": "abc"}) == "abc"
+    assert routing_text("/v1/embeddings", {"input": ["Instruct: x\nQuery: a", "b"]}).startswith("Instruct: x\nQuery:")
     assert routing_text("/v1/completions", {"prompt": [5, 6]}) == "5,6,"
     assert routing_text("/v1/completions", {"prompt": ["ab", "cd"]}) == "ab\x1ecd"
     tools = routing_text("/v1/chat/completions", {"messages": [sys_msg], "tools": [{"type": "function"}]})

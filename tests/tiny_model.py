@@ -346,3 +346,45 @@ def make_tiny_lora(model_dir: Path, path: Path, *, seed: int = 0, **options: obj
         model = get_peft_model(base, LoraConfig(**config))
     model.save_pretrained(str(path))
     return path
+
+
+def make_tiny_embedding(
+    path: Path,
+    *,
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    bare: bool = True,
+    seed: int = 0,
+    config_overrides: dict | None = None,
+    **model_options: object,
+) -> Path:
+    """A random-weight Qwen3 embedding model as sentence-transformers saves one (Qwen3-Embedding's layout): the
+    decoder with ``pooling`` (a sentence-transformers mode: lasttoken, mean_tokens, cls_token, ...), then
+    normalization when ``normalize``. ``bare``: the checkpoint is the bare decoder (``Qwen3Model``, tensors without
+    the ``model.`` prefix and no head), as embedding models are published."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(path, arch="qwen3", seed=seed, config_overrides=config_overrides, **model_options)  # type: ignore[arg-type]
+    if bare:
+        weights = load_file(str(path / "model.safetensors"))
+        bare_weights = {k.removeprefix("model."): v for k, v in weights.items() if not k.startswith("lm_head.")}
+        save_file(bare_weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = ["Qwen3Model"]
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    pool_config = {"word_embedding_dimension": json.loads((path / "config.json").read_text())["hidden_size"]}
+    pool_config.update({f"pooling_mode_{m}": m == pooling for m in modes})
+    pool_config["include_prompt"] = True
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pool_config))
+    return path

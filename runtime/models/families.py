@@ -42,6 +42,10 @@ CHECKPOINT_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# A checkpoint of the bare decoder (``Qwen3Model``, ``MistralModel``: embedding models are saved so) is its
+# family's, without a head; its tensors lack the ``model.`` prefix.
+BARE_DECODERS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
+_BARE_NAMES = (re.compile(r"^(embed_tokens|layers|norm)\."), r"model.\1.")
 
 
 RopeSpec = tuple[float, dict[str, Any] | None]  # (theta, scaling)
@@ -94,7 +98,7 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 
 def model_args(cfg: Any) -> ModelArgs:
     archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
-    arch = archs[0]
+    arch = BARE_DECODERS.get(archs[0], archs[0])
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
@@ -181,7 +185,7 @@ def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
 
 def renamer(arch: str) -> Callable[[str], str]:
     """A checkpoint tensor's name -> the shared decoder's (``CHECKPOINT_RENAMES``)."""
-    renames = [(re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ())]
+    renames = [_BARE_NAMES, *((re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ()))]
 
     def rename(name: str) -> str:
         for pattern, repl in renames:

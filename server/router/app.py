@@ -4,9 +4,9 @@
 passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve ingress one over deployment handles.
 
 Routes:
-  * POST /v1/chat/completions, /v1/completions, /generate, /v1/messages, /v1/responses: routed by the policy on
-    the request's text, streamed through when the replica streams (``server.router.proxy``); a Responses request
-    with ``previous_response_id`` goes to the replica that stored that response;
+  * POST /v1/chat/completions, /v1/completions, /v1/embeddings, /generate, /v1/messages, /v1/responses: routed
+    by the policy on the request's text, streamed through when the replica streams (``server.router.proxy``); a
+    Responses request with ``previous_response_id`` goes to the replica that stored that response;
   * GET / DELETE /v1/responses/{id} (with its query: a background response streamed again), its /input_items, and
     POST /v1/responses/{id}/cancel: to the replica that stored (or runs) that response;
   * GET /v1/models, /v1/models/{model}, /server_info, POST /tokenize and /detokenize: from the least loaded
@@ -123,6 +123,10 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     @api.post("/v1/completions", summary="Text completion, proxied to the chosen replica")
     async def completions(request: Request) -> Response:
         return await _routed(request, "/v1/completions")
+
+    @api.post("/v1/embeddings", summary="Embeddings, proxied to the chosen replica")
+    async def embeddings(request: Request) -> Response:
+        return await _routed(request, "/v1/embeddings")
 
     @api.post("/v1/responses", summary="Responses API, proxied to the chosen replica (or the one storing the thread)")
     async def responses(request: Request) -> Response:

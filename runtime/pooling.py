@@ -1,0 +1,179 @@
+"""Embeddings (``--runner pooling``): a prompt's final hidden states pooled into one vector.
+
+What a model's embeddings are is part of the model: sentence-transformers folders say it in ``modules.json`` and
+the pooling module's ``config.json`` (Qwen3-Embedding, e5-mistral, gte-Qwen2: the last token's hidden state,
+then L2-normalized). ``read_pooling`` reads that; a folder without it gets the decoders' usual choice, the last
+token, normalized (as vLLM does).
+
+An embedding request is a prompt with ``max_new_tokens == 0`` and ``SamplingParams.pooling`` set. Its hidden
+states are pooled as its chunks are computed (``pool_chunk``), so chunked prefill and batching with other
+requests are the ordinary code path:
+
+* ``last``: the row of the prompt's last token, from the chunk that reaches it. A cached prefix is never
+  recomputed: only the last token has to be (the radix cache always leaves it to compute).
+* ``mean`` and ``cls`` (the first token) need the hidden states of every prompt token (of the first): such a
+  request takes no cached prefix (``needs_whole_prompt``) and sums from its first chunk, so a retracted one that
+  resumes starts over.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the front end reads requests' pooling too, and never imports torch
+    import torch
+
+POOLING_KINDS = ("last", "mean", "cls")
+# sentence-transformers' pooling modes -> ours; the others (max, weighted mean, mean over sqrt(len)) are refused.
+_ST_MODES = {"lasttoken": "last", "mean_tokens": "mean", "mean": "mean", "cls_token": "cls", "cls": "cls"}
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How one request's embedding is made: ``kind`` of pooling, then the first ``dimensions`` values kept
+    (Matryoshka; None: all), then L2 normalization when ``normalize``."""
+
+    kind: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Whether every prompt token's hidden state is read (then no cached prefix may stand in for them)."""
+        return self.kind != "last"
+
+    def validate(self, hidden_size: int, matryoshka: tuple[int, ...] | None) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got {self.kind!r}")
+        if self.dimensions is None:
+            return
+        if matryoshka is None:
+            raise ValueError(
+                "dimensions needs a Matryoshka model (config.json's is_matryoshka or matryoshka_dimensions); this "
+                "model's embeddings cannot be shortened: leave dimensions out"
+            )
+        allowed = matryoshka or tuple(range(1, hidden_size + 1))
+        if self.dimensions not in allowed:
+            which = ", ".join(map(str, matryoshka)) if matryoshka else f"1 to {hidden_size}"
+            raise ValueError(f"dimensions must be one of {which} for this model, got {self.dimensions}")
+
+    def finish(self, pooled: torch.Tensor, count: int) -> list[float]:
+        """The embedding from what ``pool_chunk`` gathered over ``count`` tokens (float32)."""
+        import torch.nn.functional as F  # (engine side only)
+
+        vec = pooled / count if self.kind == "mean" else pooled
+        if self.dimensions is not None:
+            vec = vec[: self.dimensions]
+        if self.normalize:
+            vec = F.normalize(vec, p=2.0, dim=0)
+        return vec.tolist()
+
+
+@dataclass(frozen=True)
+class PoolingModel:
+    """What the served model's embeddings are (the defaults of every request), and what can be asked of them."""
+
+    default: Pooling
+    hidden_size: int
+    # Matryoshka: None where the embeddings cannot be shortened; () any length; else the lengths trained.
+    matryoshka: tuple[int, ...] | None = None
+
+    def describe(self) -> str:
+        kind = {"last": "the last token", "mean": "the mean of the tokens", "cls": "the first token"}[self.default.kind]
+        norm = ", L2-normalized" if self.default.normalize else ""
+        if self.matryoshka is None:
+            short = ""
+        else:
+            short = f", Matryoshka dimensions {', '.join(map(str, self.matryoshka)) or f'1-{self.hidden_size}'}"
+        return f"{self.hidden_size} dimensions from {kind}{norm}{short}"
+
+    def request(self, dimensions: int | None = None, normalize: bool | None = None) -> Pooling:
+        """A request's pooling: the model's, with the request's length and normalization; ``ValueError`` when the
+        model cannot give that length."""
+        pooling = Pooling(
+            self.default.kind,
+            self.default.normalize if normalize is None else normalize,
+            dimensions,
+        )
+        pooling.validate(self.hidden_size, self.matryoshka)
+        return pooling
+
+
+def pool_chunk(pooling: Pooling, hidden: torch.Tensor, start: int, reaches_end: bool) -> torch.Tensor | None:
+    """What one computed chunk (its rows ``hidden``, prompt positions from ``start``) adds to a request's
+    embedding, in float32 on the CPU: the last row where the chunk reaches the prompt's end (``last``), the sum of
+    its rows (``mean``), the first row of the prompt (``cls``); None where it adds nothing."""
+    if pooling.kind == "last":
+        row = hidden[-1] if reaches_end else None
+    elif pooling.kind == "mean":
+        row = hidden.float().sum(dim=0)
+    else:
+        row = hidden[0] if start == 0 else None
+    return None if row is None else row.float().cpu()
+
+
+def serves_embeddings(runner: str, folder: Path) -> bool:
+    """``--runner``: pooling, generate, or auto (pooling for a sentence-transformers folder)."""
+    if runner == "auto":
+        return (folder / "modules.json").is_file()
+    return runner == "pooling"
+
+
+def read_pooling(folder: Path, hf_config: Any) -> PoolingModel:
+    """The model folder's embedding recipe (sentence-transformers files), else the last token, normalized.
+    Raises ``ValueError`` for a recipe this server cannot follow (a module it does not run, a pooling mode it
+    does not have), naming it."""
+    hidden = int(hf_config.hidden_size)
+    default = Pooling("last", True)
+    modules_file = folder / "modules.json"
+    if modules_file.is_file():
+        default = _sentence_transformers(folder, modules_file)
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    matryoshka: tuple[int, ...] | None = None
+    if dims:
+        matryoshka = tuple(sorted(int(d) for d in dims))
+    elif getattr(hf_config, "is_matryoshka", False):
+        matryoshka = ()
+    return PoolingModel(default, hidden, matryoshka)
+
+
+def _sentence_transformers(folder: Path, modules_file: Path) -> Pooling:
+    try:
+        modules = json.loads(modules_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{modules_file} is not readable JSON: {exc}") from None
+    kinds = [m.get("type", "") for m in modules if isinstance(m, dict)]
+    unknown = [k for k in kinds if k not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
+    if unknown:
+        raise ValueError(
+            f"{modules_file} has modules this server does not run ({', '.join(unknown)}); it serves a transformer "
+            "followed by pooling and normalization"
+        )
+    pooling_module = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+    kind = "last"
+    if pooling_module is not None:
+        kind = _pooling_mode(folder / str(pooling_module.get("path", "")) / "config.json")
+    return Pooling(kind, normalize=_ST_NORMALIZE in kinds)
+
+
+def _pooling_mode(config_file: Path) -> str:
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"the pooling module's {config_file} is not readable JSON: {exc}") from None
+    if cfg.get("include_prompt", True) is False:
+        raise ValueError(f"{config_file}: include_prompt false (pooling without the instruction) is not supported")
+    modes = [cfg["pooling_mode"]] if isinstance(cfg.get("pooling_mode"), str) else []
+    modes += [key.removeprefix("pooling_mode_") for key, on in cfg.items() if key.startswith("pooling_mode_") and on]
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(
+            f"{config_file}: pooling {' + '.join(modes) or 'none'} is not supported (supported: last token, mean, "
+            "first token)"
+        )
+    return _ST_MODES[modes[0]]

@@ -1,0 +1,119 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings API, served by a model started with ``--runner pooling``.
+
+Each input is one engine request that computes its prompt and pools its hidden states (``runtime.pooling``); the
+inputs of a call are submitted together and batched with everything else running, and a prompt head that another
+request computed comes from the radix cache (last-token pooling; ``usage.prompt_tokens_details.cached_tokens``
+says how much). ``encoding_format: "base64"`` (what the ``openai`` SDK asks for by default) is the float32 values,
+little-endian, in base64, as OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from radixserve.runtime.request import FinishReason
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server.deps import StateDep, require_api_key
+from radixserve.server.engine_client import RequestGroup, Result
+from radixserve.server.errors import APIError, bad_request, request_failed
+from radixserve.server.extra_fields import check_extra_fields
+from radixserve.server.params import truncate_prompt
+from radixserve.server.protocol import EmbeddingRequest
+from radixserve.server.tokens import encode
+
+router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
+
+
+def _inputs(body: EmbeddingRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
+    """Token ids per input: a text, texts, token ids, or lists of them (OpenAI's four shapes)."""
+    raw = body.input
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise bad_request("input must not be an empty list", "input")
+    if len(items) > MAX_INPUTS:
+        raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
+    out = []
+    for k, item in enumerate(items):
+        if isinstance(item, str):
+            ids = encode(tokenizer, item, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = list(item)
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"input {k}: token id {bad} is out of range [0, {vocab_size})", "input")
+        if not ids:
+            raise bad_request(f"input {k} is empty: give at least one token", "input")
+        out.append(ids)
+    return out
+
+
+@router.post("/v1/embeddings", summary="Create embeddings (OpenAI-compatible; --runner pooling)")
+async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
+    check_extra_fields(body, "/v1/embeddings")
+    engine = state.ready_engine()
+    lora = state.check_model(body.model)
+    pooling_model = engine.pooling
+    if pooling_model is None:
+        raise APIError(
+            400,
+            "this server generates text and serves no embeddings; start it with --runner pooling (an embedding model)",
+            param="model",
+            code="model_not_supported",
+        )
+    try:
+        pooling = pooling_model.request(body.dimensions, body.normalize)
+    except ValueError as exc:
+        raise bad_request(str(exc), "dimensions") from None
+    prompts = _inputs(body, engine.tokenizer, engine.vocab_size)
+    if body.truncate_prompt_tokens is not None:
+        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, 0, engine.max_context_len) for ids in prompts]
+    for k, ids in enumerate(prompts):
+        if len(ids) >= engine.max_context_len:
+            raise bad_request(
+                f"input {k} has {len(ids)} tokens but the context length is {engine.max_context_len}; shorten it or "
+                "send truncate_prompt_tokens",
+                "input",
+            )
+    eid = f"embd-{uuid.uuid4().hex}"
+    params = dict(max_new_tokens=0, pooling=pooling, lora_name=lora, priority=body.priority or 0)
+    if body.cache_salt is not None:
+        params["cache_salt"] = body.cache_salt
+    group = RequestGroup(engine, state.metrics, state.inflight, name=eid)
+    group.submit([(ids, SamplingParams(**params), f"{eid}-{k}") for k, ids in enumerate(prompts)])
+    results = await group.collect(request)
+    data = [_item(k, res, body.encoding_format) for k, res in enumerate(results)]
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    return {
+        "object": "list",
+        "id": eid,
+        "data": data,
+        "model": lora or state.served_name,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
+        },
+    }
+
+
+def _item(index: int, res: Result, encoding_format: str) -> dict[str, Any]:
+    if res.finish_reason == FinishReason.ERROR:
+        raise request_failed(res.error, res.error_code)
+    if res.embedding is None:  # aborted (a shutdown, /abort_request) before its prompt was computed
+        raise APIError(503, "the request was aborted before its embedding was computed; send it again")
+    values: Any = res.embedding
+    if encoding_format == "base64":
+        values = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+    return {"object": "embedding", "index": index, "embedding": values}

@@ -1,0 +1,217 @@
+"""Embeddings (``--runner pooling``, ``/v1/embeddings``): a tiny random-weight Qwen3 saved as sentence-transformers
+saves Qwen3-Embedding (the bare decoder, ``modules.json``, the pooling module's config), served in float32 and
+compared with transformers' hidden states pooled by the folder's recipe."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModel
+
+from radixserve.runtime.config import EngineConfig
+from radixserve.runtime.engine import Engine
+from radixserve.runtime.engine_process import EngineProcess
+from radixserve.runtime.sampling_params import SamplingParams
+from radixserve.server import ServerConfig, create_app
+from radixserve.server.testing import ServerThread
+from tests.tiny_model import make_tiny_embedding
+
+# Two texts with a long common head (the second hits the first's cached prefix) and one apart.
+TEXTS = [
+    "Instruct: find the passage that answers the question\nQuery: what is the capital of France",
+    "Instruct: find the passage that answers the question\nQuery: how tall is the tower in Paris",
+    "The tower was finished in 1889 for the world fair.",
+]
+POOLERS = {"lasttoken": lambda h: h[-1], "mean_tokens": lambda h: h.mean(0), "cls_token": lambda h: h[0]}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("embedding-models")
+    made = {mode: make_tiny_embedding(root / mode, pooling=mode) for mode in POOLERS}
+    made["matryoshka"] = make_tiny_embedding(root / "matryoshka", config_overrides={"matryoshka_dimensions": [16, 32]})
+    return made
+
+
+def _reference(folder: Path, ids: list[int], mode: str) -> torch.Tensor:
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+    return torch.nn.functional.normalize(POOLERS[mode](hidden), dim=0)
+
+
+def _engine(folder: Path, **overrides) -> Engine:
+    # Chunks of 16 tokens: every prompt is pooled over several steps, beside the others.
+    return Engine(model=str(folder), device="cpu", dtype="float32", max_total_tokens=4096, chunked_prefill_size=16,
+                  **overrides)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", list(POOLERS))
+def test_embeddings_are_the_models_recipe_over_its_hidden_states(folders: dict[str, Path], mode: str) -> None:
+    """Last token, mean and first token (read from the folder), normalized, over chunked prefill and a batch; a
+    second pass hits the cache for last-token pooling (the shared instruction, then whole prompts) and is equal."""
+    engine = _engine(folders[mode])
+    try:
+        assert engine.pooling is not None and engine.pooling.default.kind == {"lasttoken": "last",
+                                                                             "mean_tokens": "mean",
+                                                                             "cls_token": "cls"}[mode]  # fmt: skip
+        ids = [engine.tokenizer.encode(t) for t in TEXTS]
+        first, second = engine.embed(ids), engine.embed(TEXTS)
+        for k, want_ids in enumerate(ids):
+            want = _reference(folders[mode], want_ids, mode)
+            for out in (first[k], second[k]):
+                assert out.error is None and out.prompt_tokens == len(want_ids)
+                torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-6, rtol=0)
+        if mode == "lasttoken":
+            assert first[1].cached_tokens > 10  # the instruction the first text computed in the same batch
+            assert [o.cached_tokens for o in second] == [len(x) - 1 for x in ids]
+        else:  # every token's hidden state is read: no cached prefix stands in for it
+            assert [o.cached_tokens for o in first + second] == [0] * 6
+        with pytest.raises(ValueError, match="generates no text"):
+            engine.generate(TEXTS[0], {"max_new_tokens": 4})
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(folders: dict[str, Path]) -> Iterator[tuple[Engine, str]]:
+    engine = _engine(folders["matryoshka"])
+    with ServerThread(create_app(engine, ServerConfig(served_model_name="tiny-embed"))) as srv:
+        yield engine, srv.url
+    engine.shutdown()
+
+
+def test_the_openai_client_gets_the_embeddings(server: tuple[Engine, str]) -> None:
+    """The SDK's default asks for base64 (decoded by the SDK), floats on request; texts and token ids; usage."""
+    engine, url = server
+    want = [o.embedding for o in engine.embed(TEXTS)]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    got = client.embeddings.create(model="tiny-embed", input=TEXTS)
+    assert got.model == "tiny-embed" and [d.index for d in got.data] == [0, 1, 2]
+    for d, w in zip(got.data, want):
+        assert d.embedding == pytest.approx(w, abs=1e-7)  # (float32 on the wire either way)
+    floats = client.embeddings.create(model="tiny-embed", input=TEXTS[2], encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(want[2], abs=1e-7)
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    by_ids = client.embeddings.create(model="tiny-embed", input=ids, encoding_format="float")
+    for d, w in zip(by_ids.data, want):
+        assert d.embedding == pytest.approx(w, abs=1e-7)
+    assert by_ids.usage.prompt_tokens == by_ids.usage.total_tokens == sum(map(len, ids))
+    raw = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"}).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(want[0], abs=1e-7)
+    assert raw["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids[0]) - 1
+
+
+def test_matryoshka_dimensions_and_normalize(server: tuple[Engine, str]) -> None:
+    """``dimensions`` keeps the first N values, then normalizes (as OpenAI's and vLLM's); only the lengths the
+    model was trained for."""
+    engine, url = server
+    full = engine.embed([TEXTS[0]], normalize=False)[0].embedding
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    short = client.embeddings.create(model="tiny-embed", input=TEXTS[0], dimensions=16).data[0].embedding
+    assert len(short) == 16
+    want = torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0).tolist()
+    assert short == pytest.approx(want, abs=1e-6)
+    raw = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[0], "normalize": False}).json()
+    assert raw["data"][0]["embedding"] == pytest.approx(full, abs=1e-7)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model="tiny-embed", input=TEXTS[0], dimensions=20)
+    assert err.value.body["param"] == "dimensions" and "16, 32" in err.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": []}, "input", "empty list"),
+        ({"input": ""}, "input", "input 0 is empty"),
+        ({"input": [[1, 2], []]}, "input", "input 1 is empty"),
+        ({"input": [1, 2, 10**9]}, "input", "out of range"),
+        ({"input": "x" * 5000}, "input", "context length"),
+        ({"input": "x", "model": "other"}, "model", "does not exist"),
+        ({"input": "x", "encoding_format": "hex"}, None, "encoding_format"),
+        ({"input": "x", "dimensions": 0}, None, "dimensions"),
+    ],
+)
+def test_bad_embedding_requests_are_clear_400s(
+    server: tuple[Engine, str], body: dict, param: str | None, words: str
+) -> None:
+    _, url = server
+    resp = httpx.post(url + "/v1/embeddings", json=body)
+    assert resp.status_code in (400, 404), resp.text
+    error = resp.json()["error"]
+    assert words in error["message"] and (param is None or error["param"] == param), error
+
+
+def test_truncation_and_generation_on_an_embedding_server(server: tuple[Engine, str]) -> None:
+    engine, url = server
+    ids = engine.tokenizer.encode("x" * 5000)
+    cut = httpx.post(url + "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": 100}).json()
+    assert cut["usage"]["prompt_tokens"] == 100
+    assert cut["data"][0]["embedding"] == pytest.approx(engine.embed([ids[-100:]])[0].embedding, abs=1e-7)
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "serves embeddings" in chat.json()["error"]["message"]
+
+
+def test_a_text_model_refuses_embeddings(tiny_model_dir: Path) -> None:
+    engine = Engine(model=str(tiny_model_dir), device="cpu", max_total_tokens=1024)
+    try:
+        assert engine.pooling is None
+        with ServerThread(create_app(engine, ServerConfig())) as srv:
+            resp = httpx.post(srv.url + "/v1/embeddings", json={"input": "hello"})
+        assert resp.status_code == 400 and "--runner pooling" in resp.json()["error"]["message"]
+        with pytest.raises(ValueError, match="--runner pooling"):
+            engine.embed(["hello"])
+        params = SamplingParams(max_new_tokens=0, pooling=None)
+        assert engine.generate("hello", params)["meta_info"]["error"] is None
+    finally:
+        engine.shutdown()
+
+
+def test_an_engine_process_serves_embeddings(folders: dict[str, Path]) -> None:
+    """Across the process boundary (the pooling recipe travels in the ready message; the front end refuses a text
+    request at once)."""
+    local = _engine(folders["lasttoken"])
+    want = [o.embedding for o in local.embed(TEXTS)]
+    local.shutdown()
+    proc = EngineProcess(model=str(folders["lasttoken"]), device="cpu", dtype="float32", max_total_tokens=4096)
+    try:
+        assert proc.pooling is not None and proc.pooling.default.kind == "last"
+        got = proc.embed(TEXTS)
+        for out, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(out.embedding), torch.tensor(w), atol=2e-6, rtol=0)
+        with pytest.raises(ValueError, match="generates no text"):
+            proc.generate("hello", {"max_new_tokens": 2})
+    finally:
+        proc.shutdown()
+
+
+def test_runner_choice_and_recipes_this_server_cannot_follow(folders: dict[str, Path], tmp_path: Path) -> None:
+    """auto serves embeddings for a sentence-transformers folder; --runner generate serves its text (the head tied
+    to the embedding); a recipe with a module this server does not run is refused at start, named."""
+    assert EngineConfig(runner="auto").runner == "auto"
+    with pytest.raises(ValueError, match="--runner must be"):
+        EngineConfig(runner="embed")
+    odd = make_tiny_embedding(tmp_path / "dense", bare=False)
+    modules = json.loads((odd / "modules.json").read_text())
+    modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
+    (odd / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="sentence_transformers.models.Dense"):
+        _engine(odd)
+    weighted = make_tiny_embedding(tmp_path / "weighted", pooling="weightedmean_tokens")
+    with pytest.raises(ValueError, match="weightedmean_tokens is not supported"):
+        _engine(weighted)
+    text = Engine(model=str(folders["lasttoken"]), device="cpu", max_total_tokens=1024, runner="generate")
+    try:
+        assert text.pooling is None
+        assert len(text.generate("hello", {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
+    finally:
+        text.shutdown()
