@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import types
 import typing
@@ -62,6 +63,11 @@ class EngineConfig:
         "pooling for a folder with sentence-transformers' modules.json, else generate. SGLang's --is-embedding "
         "is --runner pooling.",
         ("auto", "generate", "pooling"),
+    )
+    hf_overrides: str = _opt(
+        "",
+        "A JSON object merged into the model's config.json at load (vLLM's), e.g. '{\"is_matryoshka\": true}' to "
+        "serve an embedding model's shorter dimensions.",
     )
     revision: str = _opt("", "Revision (branch, tag or commit) of a Hugging Face model id; default: main.")
     tokenizer: str = _opt("", "Tokenizer folder or Hugging Face id, when it is not the model's.")
@@ -197,6 +203,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"--runner must be auto, generate or pooling, got {self.runner!r}")
+        self.overrides()  # (raises for text that is not a JSON object)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
@@ -276,6 +283,18 @@ class EngineConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (an address of node 0 every node reaches)")
         if self.dist_init_addr and not _is_host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+
+    def overrides(self) -> dict[str, Any]:
+        """``--hf-overrides`` as a dict (empty without)."""
+        if not self.hf_overrides:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except ValueError as exc:
+            raise ValueError(f"--hf-overrides must be a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
+        return value
 
 
 def _is_host_port(text: str) -> bool:

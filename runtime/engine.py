@@ -74,9 +74,7 @@ class Engine(EngineAPI):
         self.load_seconds = loaded.load_seconds
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.pooling = loaded.pooling  # --runner pooling: the embeddings served (None: text)
-        if self.pooling is not None and config.tp > 1:
-            raise ValueError("embeddings (--runner pooling) are not served with --tp > 1 yet; serve with --tp 1")
+        self.pooling = loaded.pooling  # --runner pooling: the embeddings served (None: text; never under --tp)
         args = loaded.args
         self.vocab_size = args.vocab_size
         kv_heads = args.num_kv_heads // config.tp  # each rank holds its KV heads' shard of every slot

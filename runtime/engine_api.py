@@ -14,6 +14,7 @@ from radixserve.runtime.request import Req, ReqOutput
 from radixserve.runtime.sampling_params import SamplingParams
 
 Sink = Callable[[ReqOutput], None]
+EMBED_WAVE = 256  # ``embed`` submits this many inputs at a time
 
 
 class EngineAPI(ABC):
@@ -102,13 +103,18 @@ class EngineAPI(ABC):
             raise ValueError("this engine generates text: embeddings need --runner pooling")
         params = pooling.request(dimensions, normalize)
         ids = [self.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in inputs]
-        done: list[Future[ReqOutput]] = [Future() for _ in ids]
 
         def sink(fut: Future[ReqOutput]) -> Sink:
             return lambda out: fut.set_result(out) if out.finished else None
 
-        self.submit_all([(p, SamplingParams(max_new_tokens=0, pooling=params), sink(f)) for p, f in zip(ids, done)])
-        return [f.result() for f in done]
+        results: list[ReqOutput] = []
+        for lo in range(0, len(ids), EMBED_WAVE):  # each input is a request: the waiting queue is bounded
+            wave = ids[lo : lo + EMBED_WAVE]
+            done: list[Future[ReqOutput]] = [Future() for _ in wave]
+            one = SamplingParams(max_new_tokens=0, pooling=params)
+            self.submit_all([(p, replace(one), sink(f)) for p, f in zip(wave, done)])
+            results += [f.result() for f in done]
+        return results
 
     async def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None

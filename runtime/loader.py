@@ -99,6 +99,14 @@ def _eos_ids(folder: Path, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
+def model_config(config: EngineConfig, folder: Path) -> Any:
+    """The model's config.json (``load_hf_config``) with ``--hf-overrides`` merged in."""
+    hf_config = load_hf_config(folder)
+    for key, value in config.overrides().items():
+        setattr(hf_config, key, value)
+    return hf_config
+
+
 def build_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """The model on the meta device, its parameters typed ``dtype``, for ``load_weights(..., device)``, which
     creates each one from its checkpoint tensor: no random initialization (seconds for a real model), no float32
@@ -241,7 +249,7 @@ def load_model(
     copy goes, layer by layer, unless --keep-plain-weights)."""
     start = time.perf_counter()
     folder = model_folder(config)
-    hf_config = load_hf_config(folder)
+    hf_config = model_config(config, folder)
     args = ModelArgs.from_hf_config(hf_config)
     pooling = read_pooling(folder, hf_config) if serves_embeddings(config.runner, folder) else None
     if pooling is not None:

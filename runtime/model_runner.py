@@ -18,7 +18,7 @@ from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.greedy import finite_rows
 from radixserve.runtime.kv_pool import KVPool
 from radixserve.runtime.logprobs import token_logprobs
-from radixserve.runtime.pooling import pool_chunk
+from radixserve.runtime.pooling import Pooling
 from radixserve.runtime.request import ErrorCode, Req, TokenLogprob
 from radixserve.runtime.sampler import NonFiniteLogitsError, Sampler
 from radixserve.runtime.step_layout import StepRow, lay_out
@@ -28,6 +28,19 @@ from radixserve.runtime.transfer import tensor_on
 if TYPE_CHECKING:
     from radixserve.runtime.cuda_graph import DecodeGraphs
     from radixserve.runtime.lora import LoRABatch, LoRAs
+
+
+def pool_chunk(pooling: Pooling, hidden: torch.Tensor, start: int, reaches_end: bool) -> torch.Tensor | None:
+    """What one computed chunk (its rows ``hidden``, prompt positions from ``start``) adds to a request's
+    embedding, in float32 on the CPU: the last row where the chunk reaches the prompt's end (``last``), the sum of
+    its rows (``mean``), the first row of the prompt (``cls``); None where it adds nothing."""
+    if pooling.kind == "last":
+        row = hidden[-1] if reaches_end else None
+    elif pooling.kind == "mean":
+        row = hidden.sum(dim=0, dtype=torch.float32)  # (no float32 copy of the chunk)
+    else:
+        row = hidden[0] if start == 0 else None
+    return None if row is None else row.float().cpu()
 
 
 class CausalLM(Protocol):
@@ -129,7 +142,7 @@ class ModelRunner:
             picked = self.model.greedy_tokens(rows, self.sampler.vocab_size)  # logits checks, then tokens
             flags = torch.cat([hidden_ok, picked]).tolist()
             result = self._greedy_result(n, candidates, flags)
-            result.pooled = pooled
+            result.pooled = self._finite_parts(pooled, result.errors)
             return result
 
         # The general path: the checks first (one transfer for both), then prompt log-probs, drafts and sampling.
@@ -159,7 +172,21 @@ class ModelRunner:
             self._sample(plan, [candidates[j] for j in keep], logits, next_tokens, logprobs, errors)
         if verify:
             self._verify(plan, verify, hidden, next_tokens, accepted, errors)
-        return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted, pooled)
+        return StepResult(next_tokens, logprobs, prompt_lps, errors, accepted, self._finite_parts(pooled, errors))
+
+    @staticmethod
+    def _finite_parts(pooled: dict[int, torch.Tensor], errors: dict[int, Failure]) -> dict[int, torch.Tensor]:
+        """The embedding parts of the chunks that did not fail; one with a NaN or inf (mean pooling reads rows
+        the last row's check does not cover) fails its request."""
+        kept = {}
+        for i, part in pooled.items():
+            if i in errors:
+                continue
+            if bool(torch.isfinite(part).all()):
+                kept[i] = part
+            else:
+                errors[i] = Failure("the model produced non-finite hidden states for this request")
+        return kept
 
     @staticmethod
     def _pool(plan: BatchPlan, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -178,12 +205,12 @@ class ModelRunner:
 
     def can_launch(self, reqs: list[Req]) -> bool:
         """Whether a decode step of ``reqs`` (one token each) can be launched without waiting (``launch``): it
-        replays a captured graph, every row takes its argmax and none runs with an adapter."""
+        replays a captured graph, every row takes its argmax and none runs with an adapter or pools an embedding."""
         return (
             self.graphs is not None
             and 0 < len(reqs) <= self.graphs.max_bs
             and self.sampler.argmax_only(reqs)
-            and all(r.params.lora_name is None for r in reqs)
+            and all(r.params.lora_name is None and r.params.pooling is None for r in reqs)
         )
 
     def _lora_batch(self, plan: BatchPlan) -> LoRABatch | None:

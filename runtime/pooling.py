@@ -6,8 +6,8 @@ then L2-normalized). ``read_pooling`` reads that; a folder without it gets the d
 token, normalized (as vLLM does).
 
 An embedding request is a prompt with ``max_new_tokens == 0`` and ``SamplingParams.pooling`` set. Its hidden
-states are pooled as its chunks are computed (``pool_chunk``), so chunked prefill and batching with other
-requests are the ordinary code path:
+states are pooled as its chunks are computed (``model_runner.pool_chunk`` gives each chunk's part), so chunked
+prefill and batching with other requests are the ordinary code path:
 
 * ``last``: the row of the prompt's last token, from the chunk that reaches it. A cached prefix is never
   recomputed: only the last token has to be (the radix cache always leaves it to compute).
@@ -64,7 +64,7 @@ class Pooling:
             raise ValueError(f"dimensions must be one of {which} for this model, got {self.dimensions}")
 
     def finish(self, pooled: torch.Tensor, count: int) -> list[float]:
-        """The embedding from what ``pool_chunk`` gathered over ``count`` tokens (float32)."""
+        """The embedding from what the chunks gave over ``count`` tokens (float32)."""
         import torch.nn.functional as F  # (engine side only)
 
         vec = pooled / count if self.kind == "mean" else pooled
@@ -103,19 +103,6 @@ class PoolingModel:
         )
         pooling.validate(self.hidden_size, self.matryoshka)
         return pooling
-
-
-def pool_chunk(pooling: Pooling, hidden: torch.Tensor, start: int, reaches_end: bool) -> torch.Tensor | None:
-    """What one computed chunk (its rows ``hidden``, prompt positions from ``start``) adds to a request's
-    embedding, in float32 on the CPU: the last row where the chunk reaches the prompt's end (``last``), the sum of
-    its rows (``mean``), the first row of the prompt (``cls``); None where it adds nothing."""
-    if pooling.kind == "last":
-        row = hidden[-1] if reaches_end else None
-    elif pooling.kind == "mean":
-        row = hidden.float().sum(dim=0)
-    else:
-        row = hidden[0] if start == 0 else None
-    return None if row is None else row.float().cpu()
 
 
 def serves_embeddings(runner: str, folder: Path) -> bool:

@@ -43,7 +43,7 @@ def validate_request(
     bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
-    if len(prompt_ids) >= max_context_len:
+    if len(prompt_ids) >= max_context_len + (params.pooling is not None):  # (an embedding generates nothing)
         raise ValueError(
             f"the prompt has {len(prompt_ids)} tokens but the context length is {max_context_len}; shorten the prompt"
         )

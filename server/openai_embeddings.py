@@ -9,9 +9,11 @@ little-endian, in base64, as OpenAI sends them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import uuid
+from collections import deque
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -24,11 +26,13 @@ from radixserve.server.errors import APIError, bad_request, request_failed
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.params import truncate_prompt
 from radixserve.server.protocol import EmbeddingRequest
+from radixserve.server.state import ServerState
 from radixserve.server.tokens import encode
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
+WAVE = 256  # a call's inputs in the engine at once (twice that at most: ``_run_in_waves``)
 
 
 def _inputs(body: EmbeddingRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
@@ -77,22 +81,23 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
     except ValueError as exc:
         raise bad_request(str(exc), "dimensions") from None
     prompts = _inputs(body, engine.tokenizer, engine.vocab_size)
-    if body.truncate_prompt_tokens is not None:
-        prompts = [truncate_prompt(ids, body.truncate_prompt_tokens, 0, engine.max_context_len) for ids in prompts]
+    keep = body.truncate_prompt_tokens
+    if keep is not None:  # (-1: the whole context; an embedding generates nothing)
+        keep = engine.max_context_len if keep == -1 else keep
+        prompts = [truncate_prompt(ids, keep, 0, engine.max_context_len) for ids in prompts]
     for k, ids in enumerate(prompts):
-        if len(ids) >= engine.max_context_len:
+        if len(ids) > engine.max_context_len:
             raise bad_request(
-                f"input {k} has {len(ids)} tokens but the context length is {engine.max_context_len}; shorten it or "
-                "send truncate_prompt_tokens",
+                f"input {k} has {len(ids)} tokens, more than the context length {engine.max_context_len}; shorten it "
+                "or send truncate_prompt_tokens",
                 "input",
             )
     eid = f"embd-{uuid.uuid4().hex}"
     params = dict(max_new_tokens=0, pooling=pooling, lora_name=lora, priority=body.priority or 0)
     if body.cache_salt is not None:
         params["cache_salt"] = body.cache_salt
-    group = RequestGroup(engine, state.metrics, state.inflight, name=eid)
-    group.submit([(ids, SamplingParams(**params), f"{eid}-{k}") for k, ids in enumerate(prompts)])
-    results = await group.collect(request)
+    requests = [(ids, SamplingParams(**params), f"{eid}-{k}") for k, ids in enumerate(prompts)]
+    results = await _run_in_waves(requests, request, state, eid)
     data = [_item(k, res, body.encoding_format) for k, res in enumerate(results)]
     prompt_tokens = sum(r.prompt_tokens for r in results)
     return {
@@ -106,6 +111,31 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
         },
     }
+
+
+async def _run_in_waves(
+    requests: list[tuple[list[int], SamplingParams, str]], request: Request, state: ServerState, name: str
+) -> list[Result]:
+    """Every request's result, submitted ``WAVE`` at a time with at most two waves in the engine: a call of
+    thousands of inputs neither fills the waiting queue (each input is a request) nor leaves the engine idle
+    between waves. A refusal or failure aborts the waves still running."""
+    engine = state.ready_engine()
+    running: deque[asyncio.Future[list[Result]]] = deque()
+    results: list[Result] = []
+    try:
+        for lo in range(0, len(requests), WAVE):
+            group = RequestGroup(engine, state.metrics, state.inflight, name=name)
+            group.submit(requests[lo : lo + WAVE])
+            running.append(asyncio.ensure_future(group.collect(request)))
+            if len(running) == 2:
+                results += await running.popleft()
+        while running:
+            results += await running.popleft()
+    finally:
+        for task in running:  # (a collect that is cancelled aborts its group's requests)
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    return results
 
 
 def _item(index: int, res: Result, encoding_format: str) -> dict[str, Any]:

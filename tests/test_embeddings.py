@@ -215,3 +215,83 @@ def test_runner_choice_and_recipes_this_server_cannot_follow(folders: dict[str, 
         assert len(text.generate("hello", {"max_new_tokens": 3, "ignore_eos": True})["output_ids"]) == 3
     finally:
         text.shutdown()
+
+
+def test_a_call_of_more_inputs_than_the_queue_holds(server: tuple[Engine, str]) -> None:
+    """Each input is a request; a call's inputs go in waves, so 1,100 inputs on a server whose queue holds 1,024
+    all come back (they used to be a 429 on an idle server)."""
+    engine, url = server
+    inputs = [[5 + k % 200, 7, 9 + k % 50] for k in range(1100)]
+    resp = httpx.post(url + "/v1/embeddings", json={"input": inputs}, timeout=300)
+    assert resp.status_code == 200, resp.text[:300]
+    data = resp.json()["data"]
+    assert [d["index"] for d in data] == list(range(1100))
+    assert data[1099]["embedding"] == pytest.approx(engine.embed([inputs[1099]])[0].embedding, abs=1e-7)
+    assert len(engine.embed(inputs[:1030])) == 1030  # (in process too)
+
+
+def test_an_input_as_long_as_the_context(server: tuple[Engine, str]) -> None:
+    """An embedding generates nothing: an input may fill the whole context (as vLLM allows), not one more."""
+    engine, url = server
+    ctx = engine.max_context_len
+    ids = [(7 * k) % 300 + 5 for k in range(ctx + 10)]
+    full = httpx.post(url + "/v1/embeddings", json={"input": ids[:ctx]})
+    assert full.status_code == 200 and full.json()["usage"]["prompt_tokens"] == ctx
+    over = httpx.post(url + "/v1/embeddings", json={"input": ids[: ctx + 1]})
+    assert over.status_code == 400 and "context length" in over.json()["error"]["message"]
+    cut = httpx.post(url + "/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": -1}).json()
+    assert cut["usage"]["prompt_tokens"] == ctx
+
+
+def test_a_non_finite_hidden_state_anywhere_fails_that_input(folders: dict[str, Path]) -> None:
+    """Mean pooling reads every row: a NaN in a row the chunk's last-row check does not see fails the request (a
+    400/500 in the API, never a vector of NaNs or a body that is not JSON), and its KV is not cached."""
+    engine = _engine(folders["mean_tokens"])
+    model = engine.core.runner.model
+    real_forward = model.forward
+    poison = 11
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        hidden = real_forward(input_ids, positions, ctx)
+        rows = (input_ids == poison).nonzero().flatten()
+        if len(rows):
+            hidden = hidden.clone()
+            hidden[rows] = float("inf")
+        return hidden
+
+    try:
+        engine.call(lambda core: setattr(model, "forward", forward))
+        bad, good = engine.embed([[poison, 20, 21, 22], [20, 21, 22, 23]])
+        assert bad.embedding is None and "non-finite" in (bad.error or "")
+        assert good.error is None and good.embedding is not None
+        assert engine.call(lambda core: core.cache.peek_prefix_len([poison, 20, 21, 22, 1])) == 0
+    finally:
+        engine.call(lambda core: setattr(model, "forward", real_forward))
+        engine.shutdown()
+
+
+def test_hf_overrides_make_a_model_matryoshka(folders: dict[str, Path]) -> None:
+    """vLLM's --hf-overrides: Qwen3-Embedding's config.json does not say it was trained for shorter embeddings."""
+    plain = _engine(folders["lasttoken"])
+    try:
+        with pytest.raises(ValueError, match="Matryoshka"):
+            plain.embed(["hello"], dimensions=8)
+    finally:
+        plain.shutdown()
+    engine = _engine(folders["lasttoken"], hf_overrides='{"is_matryoshka": true}')
+    try:
+        full = engine.embed(["hello"], normalize=False)[0].embedding
+        short = engine.embed(["hello"], dimensions=8)[0].embedding
+        assert short == pytest.approx(torch.nn.functional.normalize(torch.tensor(full[:8]), dim=0).tolist(), abs=1e-6)
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="JSON object"):
+        EngineConfig(hf_overrides="[1]")
+
+
+def test_tensor_parallel_is_refused_before_any_rank_starts(folders: dict[str, Path]) -> None:
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="--tp > 1"):
+        Engine(model=str(folders["lasttoken"]), device="cpu", tp=2, max_total_tokens=1024)
+    assert multiprocessing.active_children() == []

@@ -41,10 +41,10 @@ from radixserve.runtime.distributed.group import (
 from radixserve.runtime.distributed.shard import check_shardable, shard_model
 from radixserve.runtime.greedy import argmax_checked
 from radixserve.runtime.kv_pool import KVPool
-from radixserve.runtime.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from radixserve.runtime.loader import LoadedModel, load_model, model_config, resolve_device, resolve_dtype
 from radixserve.runtime.model_source import model_folder
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs
-from radixserve.runtime.weights import load_hf_config
+from radixserve.runtime.pooling import serves_embeddings
 
 logger = logging.getLogger("radixserve.tp")
 
@@ -135,8 +135,11 @@ class TensorParallelModel:
 def start_leader(config: EngineConfig) -> tuple[LoadedModel, Groups, list[Any], int]:
     """Rank 0: spawn this node's workers, join the group, load and shard the model. The caller sizes the KV pool
     and calls ``finish_start``."""
-    hf_config = load_hf_config(model_folder(config))
+    folder = model_folder(config)
+    hf_config = model_config(config, folder)
     check_shardable(ModelArgs.from_hf_config(hf_config), config.tp)
+    if serves_embeddings(config.runner, folder):  # (before any rank is started)
+        raise ValueError("embeddings (--runner pooling) are not served with --tp > 1 yet; serve with --tp 1")
     init_addr = config.dist_init_addr or _free_addr()
     layout = RankLayout(rank=0, world=config.tp, nnodes=config.nnodes)
     device = device_for(resolve_device(config.device), 0)
