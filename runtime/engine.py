@@ -112,7 +112,7 @@ class Engine(EngineAPI):
             num_slots = sizing.slots
         graphs_on = loaded.device.type == "cuda" and config.tp == 1 and not config.disable_cuda_graph
         pool = KVPool(num_slots, args.num_layers, kv_heads, args.head_dim, loaded.dtype, loaded.device,
-                      scratch_slots=int(graphs_on))  # fmt: skip
+                      scratch_slots=int(graphs_on), on_huge_pages=loaded.pooling is None)  # fmt: skip
         self._tp: TensorParallelModel | None = finish_start(*tp_start, num_slots) if tp_start is not None else None
         context = config.max_context_len or args.max_position_embeddings
         self.max_context_len = min(context, args.max_position_embeddings)

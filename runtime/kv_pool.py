@@ -33,7 +33,10 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         scratch_slots: int = 0,
+        on_huge_pages: bool = True,
     ) -> None:
+        """``on_huge_pages``: a CPU pool on transparent huge pages (``runtime.huge_pages``), which decode steps stream
+        faster; an engine that never decodes (embeddings) keeps 4 KB pages, whose first touch costs a VM less."""
         if num_slots < 1:
             raise ValueError(f"the KV pool needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -47,7 +50,7 @@ class KVPool:
         # Uninitialized on purpose (pages are committed lazily, so start-up stays fast): a slot is always written
         # before any attention reads it, and padded gathers point at a real, written slot of the same sequence.
         # On CPU on transparent huge pages: a decode step streams the rows' keys and values (runtime.huge_pages).
-        if device.type == "cpu" and envs.kv_huge_pages():
+        if device.type == "cpu" and on_huge_pages and envs.kv_huge_pages():
             self._kv = huge_pages.empty(shape, dtype)
         else:
             self._kv = torch.empty(shape, dtype=dtype, device=device)
