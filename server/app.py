@@ -26,6 +26,7 @@ from radixserve.server import (
     openai_embeddings,
     openai_models,
     openai_responses,
+    score_routes,
 )
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import install_error_handlers
@@ -94,6 +95,7 @@ def create_app(
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_embeddings.router)
+    app.include_router(score_routes.router)
     app.include_router(openai_responses.router)
     app.include_router(anthropic_messages.router)
     app.include_router(openai_models.router)

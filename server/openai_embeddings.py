@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from radixserve.runtime.pooling import Pooling
 from radixserve.runtime.request import FinishReason
 from radixserve.runtime.sampling_params import SamplingParams
 from radixserve.server.deps import StateDep, require_api_key
@@ -68,41 +69,13 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/v1/embeddings")
     engine = state.ready_engine()
     lora = state.check_model(body.model)
-    pooling_model = engine.pooling
-    if pooling_model is None:
-        raise APIError(
-            400,
-            "this server generates text and serves no embeddings; start it with --runner pooling (an embedding model)",
-            param="model",
-            code="model_not_supported",
-        )
-    try:
-        pooling = pooling_model.request(body.dimensions, body.normalize)
-    except ValueError as exc:
-        raise bad_request(str(exc), "dimensions") from None
-    prompts = _inputs(body, engine.tokenizer, engine.vocab_size)
-    keep = body.truncate_prompt_tokens
-    if keep is not None:  # (-1: the whole context; an embedding generates nothing)
-        keep = engine.max_context_len if keep == -1 else keep
-        prompts = [truncate_prompt(ids, keep, 0, engine.max_context_len) for ids in prompts]
-    for k, ids in enumerate(prompts):
-        if len(ids) > engine.max_context_len:
-            raise bad_request(
-                f"input {k} has {len(ids)} tokens, more than the context length {engine.max_context_len}; shorten it "
-                "or send truncate_prompt_tokens",
-                "input",
-            )
-    eid = f"embd-{uuid.uuid4().hex}"
-    params = dict(max_new_tokens=0, pooling=pooling, lora_name=lora, priority=body.priority or 0)
-    if body.cache_salt is not None:
-        params["cache_salt"] = body.cache_salt
-    requests = [(ids, SamplingParams(**params), f"{eid}-{k}") for k, ids in enumerate(prompts)]
-    results = await _run_in_waves(requests, request, state, eid)
+    pooling = _pooling(engine, body.dimensions, body.normalize)
+    prompts = _fit(_inputs(body, engine.tokenizer, engine.vocab_size), body.truncate_prompt_tokens, engine, "input")
+    results = await embed(state, request, prompts, pooling, lora, body.priority, body.cache_salt)
     data = [_item(k, res, body.encoding_format) for k, res in enumerate(results)]
     prompt_tokens = sum(r.prompt_tokens for r in results)
     return {
         "object": "list",
-        "id": eid,
         "data": data,
         "model": lora or state.served_name,
         "usage": {
@@ -111,6 +84,80 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)},
         },
     }
+
+
+async def embed_texts(
+    state: ServerState,
+    request: Request,
+    model: str | None,
+    texts: list[str],
+    truncate: int | None,
+    priority: int | None,
+    param: str,
+) -> tuple[list[list[float]], list[Result], str]:
+    """The model's own embeddings of ``texts`` (its normalization, every dimension), with their results and the
+    name served (an adapter's, or the model's): what scores are made of (``server.score_routes``). ``param``
+    names the field a bad text is reported under."""
+    engine = state.ready_engine()
+    lora = state.check_model(model)
+    pooling = _pooling(engine, None, None)
+    prompts = []
+    for k, text in enumerate(texts):
+        ids = encode(engine.tokenizer, text, add_special_tokens=True)
+        if not ids:
+            raise bad_request(f"text {k} is empty: give at least one token", param)
+        prompts.append(ids)
+    results = await embed(state, request, _fit(prompts, truncate, engine, param), pooling, lora, priority, None)
+    return [_vector(res) for res in results], results, lora or state.served_name
+
+
+def _pooling(engine: Any, dimensions: int | None, normalize: bool | None) -> Pooling:
+    """A request's pooling on this server: a 400 where it serves no embeddings, or cannot give that length."""
+    if engine.pooling is None:
+        raise APIError(
+            400,
+            "this server generates text and serves no embeddings; start it with --runner pooling (an embedding model)",
+            param="model",
+            code="model_not_supported",
+        )
+    try:
+        return engine.pooling.request(dimensions, normalize)
+    except ValueError as exc:
+        raise bad_request(str(exc), "dimensions") from None
+
+
+def _fit(prompts: list[list[int]], keep: int | None, engine: Any, param: str) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the whole context: an embedding generates nothing), then a 400 for a
+    prompt longer than the context."""
+    if keep is not None:
+        keep = engine.max_context_len if keep == -1 else keep
+        prompts = [truncate_prompt(ids, keep, 0, engine.max_context_len) for ids in prompts]
+    for k, ids in enumerate(prompts):
+        if len(ids) > engine.max_context_len:
+            raise bad_request(
+                f"input {k} has {len(ids)} tokens, more than the context length {engine.max_context_len}; shorten it "
+                "or send truncate_prompt_tokens",
+                param,
+            )
+    return prompts
+
+
+async def embed(
+    state: ServerState,
+    request: Request,
+    prompts: list[list[int]],
+    pooling: Pooling,
+    lora: str | None,
+    priority: int | None,
+    cache_salt: str | None,
+) -> list[Result]:
+    """Each prompt's embedding request, run (``_run_in_waves``)."""
+    name = f"embd-{uuid.uuid4().hex}"
+    params: dict[str, Any] = dict(max_new_tokens=0, pooling=pooling, lora_name=lora, priority=priority or 0)
+    if cache_salt is not None:
+        params["cache_salt"] = cache_salt
+    requests = [(ids, SamplingParams(**params), f"{name}-{k}") for k, ids in enumerate(prompts)]
+    return await _run_in_waves(requests, request, state, name)
 
 
 async def _run_in_waves(
@@ -138,12 +185,16 @@ async def _run_in_waves(
     return results
 
 
-def _item(index: int, res: Result, encoding_format: str) -> dict[str, Any]:
+def _vector(res: Result) -> list[float]:
     if res.finish_reason == FinishReason.ERROR:
         raise request_failed(res.error, res.error_code)
     if res.embedding is None:  # aborted (a shutdown, /abort_request) before its prompt was computed
         raise APIError(503, "the request was aborted before its embedding was computed; send it again")
-    values: Any = res.embedding
+    return res.embedding
+
+
+def _item(index: int, res: Result, encoding_format: str) -> dict[str, Any]:
+    values: Any = _vector(res)
     if encoding_format == "base64":
         values = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
     return {"object": "embedding", "index": index, "embedding": values}

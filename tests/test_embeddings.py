@@ -295,3 +295,51 @@ def test_tensor_parallel_is_refused_before_any_rank_starts(folders: dict[str, Pa
     with pytest.raises(ValueError, match="--tp > 1"):
         Engine(model=str(folders["lasttoken"]), device="cpu", tp=2, max_total_tokens=1024)
     assert multiprocessing.active_children() == []
+
+
+def test_score_and_rerank_by_cosine_similarity(server: tuple[Engine, str]) -> None:
+    """vLLM's /score and the Jina/Cohere /rerank over an embedding model: cosine similarities of the embeddings,
+    each distinct text embedded once."""
+    engine, url = server
+    query, docs = TEXTS[0], [TEXTS[2], TEXTS[1], "Paris is the capital of France."]
+    vectors = {t: torch.tensor(o.embedding) for t, o in zip([query, *docs], engine.embed([query, *docs]))}
+    want = [float(torch.nn.functional.cosine_similarity(vectors[query], vectors[d], dim=0)) for d in docs]
+    scored = httpx.post(url + "/v1/score", json={"text_1": query, "text_2": docs}).json()
+    assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-5)
+    assert scored["usage"]["prompt_tokens"] == sum(len(engine.tokenizer.encode(t)) for t in [query, *docs])
+    pairs = httpx.post(url + "/score", json={"text_1": [query, docs[0]], "text_2": [docs[1], docs[0]]}).json()
+    assert pairs["data"][1]["score"] == pytest.approx(1.0, abs=1e-5)
+    ranked = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs, "top_n": 2}).json()
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
+    assert ranked["results"][0]["document"] == {"text": docs[order[0]]}
+    bare = httpx.post(url + "/rerank", json={"query": query, "documents": docs, "return_documents": False}).json()
+    assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+    for path, body, param in [
+        ("/v1/score", {"text_1": [query, query], "text_2": docs}, "text_1"),
+        ("/v1/score", {"text_1": [], "text_2": docs}, "text_1"),
+        ("/v1/rerank", {"query": query, "documents": []}, "documents"),
+        ("/v1/rerank", {"query": query, "documents": ["ok", ""]}, "documents"),
+    ]:
+        resp = httpx.post(url + path, json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_the_router_forwards_embeddings_and_scores(server: tuple[Engine, str]) -> None:
+    from radixserve.server.router.config import RouterConfig, RoutingConfig
+    from radixserve.server.router.process import build_http_router
+
+    engine, url = server
+    want = engine.embed([TEXTS[0]])[0].embedding
+    app = build_http_router(RouterConfig(worker_urls=(url,)), RoutingConfig(policy="cache_aware"))
+    with ServerThread(app) as router:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+        assert client.embeddings.create(model="tiny-embed", input=TEXTS[0]).data[0].embedding == pytest.approx(
+            want, abs=1e-7
+        )
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            ranked = httpx.post(router.url + path, json={"query": TEXTS[0], "documents": TEXTS[1:]})
+            assert ranked.status_code == 200 and len(ranked.json()["results"]) == 2, ranked.text
+        scored = httpx.post(router.url + "/score", json={"text_1": TEXTS[0], "text_2": TEXTS[0]})
+        assert scored.json()["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)

@@ -4,9 +4,10 @@
 passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve ingress one over deployment handles.
 
 Routes:
-  * POST /v1/chat/completions, /v1/completions, /v1/embeddings, /generate, /v1/messages, /v1/responses: routed
-    by the policy on the request's text, streamed through when the replica streams (``server.router.proxy``); a
-    Responses request with ``previous_response_id`` goes to the replica that stored that response;
+  * POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score, /v1/rerank, /generate, /v1/messages,
+    /v1/responses: routed by the policy on the request's text, streamed through when the replica streams
+    (``server.router.proxy``); a Responses request with ``previous_response_id`` goes to the replica that stored
+    that response;
   * GET / DELETE /v1/responses/{id} (with its query: a background response streamed again), its /input_items, and
     POST /v1/responses/{id}/cancel: to the replica that stored (or runs) that response;
   * GET /v1/models, /v1/models/{model}, /server_info, POST /tokenize and /detokenize: from the least loaded
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -112,6 +113,13 @@ async def _routed(request: Request, path: str) -> Response:
         return Response(status_code=CLIENT_CLOSED)
 
 
+def _scored(path: str) -> Callable[[Request], Awaitable[Response]]:
+    async def route(request: Request) -> Response:
+        return await _routed(request, path)
+
+    return route
+
+
 def _build_routes() -> tuple[APIRouter, APIRouter]:
     api = APIRouter(dependencies=[Depends(require_api_key)], tags=["Router"])
     open_routes = APIRouter(tags=["Router"])
@@ -127,6 +135,10 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     @api.post("/v1/embeddings", summary="Embeddings, proxied to the chosen replica")
     async def embeddings(request: Request) -> Response:
         return await _routed(request, "/v1/embeddings")
+
+    for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+        api.add_api_route(path, _scored(path), methods=["POST"], include_in_schema=path.startswith("/v1/"),
+                          summary="Scores (an embedding model's), proxied to the chosen replica")  # fmt: skip
 
     @api.post("/v1/responses", summary="Responses API, proxied to the chosen replica (or the one storing the thread)")
     async def responses(request: Request) -> Response:

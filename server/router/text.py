@@ -7,7 +7,7 @@ two requests whose prompts share a long head also share a long head here. So:
   * Messages (``/v1/messages``) and Responses (``/v1/responses``): read as chat, the system prompt or the
     instructions as a first system message;
   * completions (``/v1/completions``): the prompt (a batch: its prompts joined by record separators);
-    embeddings (``/v1/embeddings``): the input, the same way;
+    embeddings (``/v1/embeddings``): the input, the same way; scores: the query (``/rerank``) or ``text_1``;
   * native ``/generate``: its ``routing_text`` where the client gives one (token ids whose text it knows: the
     DSL's ``select`` gives the text its choices continue, so that it goes where the program's other requests
     went), else ``text`` the same way, or ``input_ids`` as ``"1,2,3,"`` (each id followed by a comma, so a
@@ -95,6 +95,10 @@ def routing_text(path: str, body: Any) -> str:
             return _prompt(body.get("prompt"))
         if path.endswith("/embeddings"):
             return _prompt(body.get("input"))
+        if path.endswith("/rerank"):
+            return _prompt(body.get("query"))
+        if path.endswith("/score"):
+            return _prompt(body.get("text_1"))
         if path.endswith("/generate"):
             if isinstance(body.get("routing_text"), str):  # token ids with the text they continue (the DSL's select)
                 return body["routing_text"]
