@@ -102,11 +102,16 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, plan: BatchPlan) -> StepResult:
         lora = self._lora_batch(plan)
+        widths = [c.num_tokens for c in plan.chunks]  # each chunk's rows in ``hidden``
         if lora is None and self.graphs is not None and self.graphs.fits(plan):
             hidden = self.graphs.run(plan)
         else:
             input_ids, positions, meta = self.build_metadata(plan)
-            hidden = self.model(input_ids, positions, ForwardContext(meta, self.pool, self.backend, lora))
+            kept = self._kept_rows(plan) if lora is None else None  # (an adapter's rows are grouped in step order)
+            ctx = ForwardContext(meta, self.pool, self.backend, lora, kept[0] if kept is not None else None)
+            hidden = self.model(input_ids, positions, ctx)
+            if kept is not None:
+                widths = kept[1]
 
         n = len(plan.chunks)
         next_tokens: list[int | None] = [None] * n
@@ -116,14 +121,14 @@ class ModelRunner:
 
         last_rows: list[int] = []
         offset = 0
-        for chunk in plan.chunks:
-            offset += chunk.num_tokens
+        for width in widths:
+            offset += width
             last_rows.append(offset - 1)
         # A chunk's last row attends to all of its KV, so a NaN or inf anywhere in this step's K/V of that request
         # shows there: such a request fails here, before its KV can be cached.
         n_rows = hidden.shape[0]
         hidden_ok = finite_rows(hidden[self._rows(last_rows, n_rows)])
-        pooled = self._pool(plan, hidden) if any(c.req.params.pooling is not None for c in plan.chunks) else {}
+        pooled = self._pool(plan, hidden, widths) if any(c.req.params.pooling is not None for c in plan.chunks) else {}
 
         # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
         candidates = [
@@ -158,7 +163,7 @@ class ModelRunner:
         accepted: dict[int, list[int]] = {}
         offset = 0
         for i, chunk in enumerate(plan.chunks):
-            length = chunk.num_tokens
+            length = widths[i]  # (every row of a chunk with drafts or prompt log-probs: ``_kept_rows``)
             if i not in errors and chunk.draft:
                 verify.append((i, offset))
             elif i not in errors and chunk.req.scoring_prompt:
@@ -189,19 +194,40 @@ class ModelRunner:
         return kept
 
     @staticmethod
-    def _pool(plan: BatchPlan, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+    def _pool(plan: BatchPlan, hidden: torch.Tensor, widths: list[int]) -> dict[int, torch.Tensor]:
         """What each embedding request's chunk adds to its embedding (``runtime.pooling``), by chunk index."""
         out: dict[int, torch.Tensor] = {}
         offset = 0
         for i, chunk in enumerate(plan.chunks):
             pooling = chunk.req.params.pooling
             if pooling is not None:
-                rows = hidden[offset : offset + chunk.num_tokens]
-                part = pool_chunk(pooling, rows, chunk.start, chunk.sample)
+                part = pool_chunk(pooling, hidden[offset : offset + widths[i]], chunk.start, chunk.sample)
                 if part is not None:
                     out[i] = part
-            offset += chunk.num_tokens
+            offset += widths[i]
         return out
+
+    def _kept_rows(self, plan: BatchPlan) -> tuple[torch.Tensor, list[int]] | None:
+        """The rows whose final hidden states this step reads, and how many of each chunk's that is; None where
+        that is all of them (a decode step) or the model computes every row. A chunk's last row is always read
+        (sampling, the finiteness check, last-token pooling); every row of a chunk whose drafts are verified,
+        whose prompt is scored or whose embedding pools every token."""
+        if not getattr(self.model, "trims_rows", False):
+            return None
+        rows: list[int] = []
+        widths: list[int] = []
+        offset = 0
+        for chunk in plan.chunks:
+            n = chunk.num_tokens
+            pooling = chunk.req.params.pooling
+            whole = chunk.draft or chunk.req.scoring_prompt or (pooling is not None and pooling.needs_whole_prompt)
+            width = n if whole else 1
+            rows.extend(range(offset + n - width, offset + n))
+            widths.append(width)
+            offset += n
+        if len(rows) == offset:
+            return None
+        return tensor_on(rows, self.device, torch.long), widths
 
     def can_launch(self, reqs: list[Req]) -> bool:
         """Whether a decode step of ``reqs`` (one token each) can be launched without waiting (``launch``): it

@@ -145,6 +145,9 @@ class ForwardContext:
     backend: AttentionBackend
     # The step's LoRA rows (``runtime.lora.LoRABatch``), None when no row uses an adapter.
     lora: Any = None
+    # The rows whose final hidden states the step reads (``ModelRunner``), None: all. A model that reads it
+    # (``trims_rows``) runs its last layer's MLP for those rows only and returns theirs.
+    out_rows: torch.Tensor | None = None
     _state: Any = field(default=None, init=False, repr=False)
     _prepared: bool = field(default=False, init=False, repr=False)
 

@@ -200,6 +200,22 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, ctx), residual)
         return self.mlp(h, ctx.lora)
 
+    def forward_kept(
+        self, x: torch.Tensor | None, residual: torch.Tensor, rope: Rope, ctx: ForwardContext, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a last layer whose output is read at the rows ``keep`` only: attention runs for every
+        row (their keys and values go into the pool), the rest of the layer for those rows. Returns their MLP
+        output and residual stream."""
+        norm = self.input_layernorm
+        h = norm(residual) if x is None else norm.add_forward(x, residual)
+        a = self.self_attn(h, rope, ctx)[keep]
+        residual = residual[keep]
+        if self.sandwich:
+            h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(a), residual)
+            return self.post_feedforward_layernorm(self.mlp(h, ctx.lora)), residual
+        h = self.post_attention_layernorm.add_forward(a, residual)
+        return self.mlp(h, ctx.lora), residual
+
 
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
@@ -281,8 +297,11 @@ def _packed_head_ops(  # noqa: ANN202 - the compiled module, or None
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns final hidden states ``[T, hidden]``; ``compute_logits`` projects only the rows the
-    caller needs (the last token of each sampled sequence), which saves the vocabulary matmul on prompt tokens."""
+    """``forward`` returns final hidden states ``[T, hidden]`` (only the rows ``ctx.out_rows`` names, where it names
+    some: the last layer's MLP, its biggest product, then runs for those); ``compute_logits`` projects only the rows
+    the caller needs (the last token of each sampled sequence), which saves the vocabulary matmul on prompt tokens."""
+
+    trims_rows = True  # reads ``ForwardContext.out_rows`` (a tensor-parallel handle does not)
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -319,8 +338,13 @@ class LlamaForCausalLM(nn.Module):
                                **({"lora": lora} if lora is not None else {}))  # fmt: skip
             return self.model.norm.add_forward(x, residual)
         x = None
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, residual, local if self.args.window(i) is not None else rope, ctx)
+            layer_rope = local if self.args.window(i) is not None else rope
+            if i == last and ctx.out_rows is not None:  # only some rows are read: the MLP runs for those
+                x, residual = layer.forward_kept(x, residual, layer_rope, ctx, ctx.out_rows)
+            else:
+                x = layer(x, residual, layer_rope, ctx)
         return self.model.norm.add_forward(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
