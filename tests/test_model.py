@@ -79,6 +79,32 @@ def test_prefill_chunked_and_decode_match_hf(fixture: str, request: pytest.Fixtu
     assert_logits_match_hf(request.getfixturevalue(fixture))
 
 
+@torch.inference_mode()
+def test_the_rows_a_step_reads_get_the_last_layer_for_them_alone(tiny_model_dir: Path) -> None:
+    """``ForwardContext.out_rows``: the model returns those rows' final hidden states (the last layer's MLP runs for
+    them only), which give HF's logits at those positions; every row's keys and values still go into the pool (a
+    decode after the step reads them)."""
+    ours = _load(tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    args = ours.args
+    torch.manual_seed(1)
+    a, b = torch.randint(0, args.vocab_size, (17,)), torch.randint(0, args.vocab_size, (9,))
+    pool = KVPool(64, args.num_layers, args.num_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    ids, positions = torch.cat([a, b[:8]]), torch.cat([torch.arange(17), torch.arange(8)])
+    ctx = _ctx(pool, list(range(25)), [ExtendSeq(0, 17, 17, None), ExtendSeq(17, 8, 8, None)])
+    keep = torch.tensor([16, *range(17, 25)])  # the first prompt's last row, every row of the second
+    ctx.out_rows = keep
+    hidden = ours(ids, positions, ctx)
+    assert hidden.shape[0] == len(keep)
+    ref_a, ref_b = hf(a[None]).logits[0], hf(b[None]).logits[0]
+    got = ours.compute_logits(hidden)
+    torch.testing.assert_close(got[0], ref_a[16], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1:], ref_b[:8], atol=1e-4, rtol=1e-4)
+    # The second prompt's last token as a decode reads the keys and values the trimmed step stored.
+    h = ours(b[8:], torch.tensor([8]), _ctx(pool, [25], [], decode=[[*range(17, 25), 25]]))
+    torch.testing.assert_close(ours.compute_logits(h)[0], ref_b[8], atol=1e-4, rtol=1e-4)
+
+
 # (dtype, compiled CPU kernel, head size): the kernel has an AVX-512 path for head sizes 64 and 128 and a
 # generic one for the rest, in float32 and bfloat16.
 DECODE_CASES = [
