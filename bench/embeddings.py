@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 
 from bench.common import _prompt_ids, format_table
 from bench.peers import SERVED, radixserve, vllm
+from bench.real_models import layer_tensors
 from radixserve.runtime import envs
 from radixserve.runtime.model_source import resolve_model
 from radixserve.runtime.weights import load_tokenizer
@@ -73,20 +74,7 @@ def write_model() -> Path:
         if layer < 0:
             tensors = {"model.embed_tokens.weight": rand(VOCAB, h), "model.norm.weight": ones(h)}
         else:
-            p = f"model.layers.{layer}."
-            tensors = {
-                p + "self_attn.q_proj.weight": rand(heads * hd, h),
-                p + "self_attn.k_proj.weight": rand(kv * hd, h),
-                p + "self_attn.v_proj.weight": rand(kv * hd, h),
-                p + "self_attn.o_proj.weight": rand(h, heads * hd),
-                p + "self_attn.q_norm.weight": ones(hd),
-                p + "self_attn.k_norm.weight": ones(hd),
-                p + "mlp.gate_proj.weight": rand(inter, h),
-                p + "mlp.up_proj.weight": rand(inter, h),
-                p + "mlp.down_proj.weight": rand(h, inter),
-                p + "input_layernorm.weight": ones(h),
-                p + "post_attention_layernorm.weight": ones(h),
-            }
+            tensors = layer_tensors(f"model.layers.{layer}.", h, inter, heads, kv, hd, rand, qk_norm=True)
         shard = f"model-{layer + 1:05d}-of-{layers + 1:05d}.safetensors"
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         index.update(dict.fromkeys(tensors, shard))

@@ -16,7 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,18 +66,7 @@ def write_model(name: str) -> Path:
         if layer < 0:
             tensors = {"model.embed_tokens.weight": rand(VOCAB, h), "model.norm.weight": torch.ones(h).bfloat16()}
         else:
-            p = f"model.layers.{layer}."
-            tensors = {
-                p + "self_attn.q_proj.weight": rand(heads * head_dim, h),
-                p + "self_attn.k_proj.weight": rand(kv * head_dim, h),
-                p + "self_attn.v_proj.weight": rand(kv * head_dim, h),
-                p + "self_attn.o_proj.weight": rand(h, heads * head_dim),
-                p + "mlp.gate_proj.weight": rand(inter, h),
-                p + "mlp.up_proj.weight": rand(inter, h),
-                p + "mlp.down_proj.weight": rand(h, inter),
-                p + "input_layernorm.weight": torch.ones(h).bfloat16(),
-                p + "post_attention_layernorm.weight": torch.ones(h).bfloat16(),
-            }
+            tensors = layer_tensors(f"model.layers.{layer}.", h, inter, heads, kv, head_dim, rand)
         shard = f"model-{layer + 1:05d}-of-{layers + 1:05d}.safetensors"
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
         index.update(dict.fromkeys(tensors, shard))
@@ -91,6 +80,35 @@ def write_model(name: str) -> Path:
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def layer_tensors(
+    p: str,
+    h: int,
+    inter: int,
+    heads: int,
+    kv: int,
+    head_dim: int,
+    rand: Callable[..., torch.Tensor],
+    qk_norm: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One decoder layer's random bf16 weights under the HF names starting ``p`` (norms 1; Qwen3's q/k norms with
+    ``qk_norm``)."""
+    tensors = {
+        p + "self_attn.q_proj.weight": rand(heads * head_dim, h),
+        p + "self_attn.k_proj.weight": rand(kv * head_dim, h),
+        p + "self_attn.v_proj.weight": rand(kv * head_dim, h),
+        p + "self_attn.o_proj.weight": rand(h, heads * head_dim),
+        p + "mlp.gate_proj.weight": rand(inter, h),
+        p + "mlp.up_proj.weight": rand(inter, h),
+        p + "mlp.down_proj.weight": rand(h, inter),
+        p + "input_layernorm.weight": torch.ones(h).bfloat16(),
+        p + "post_attention_layernorm.weight": torch.ones(h).bfloat16(),
+    }
+    if qk_norm:
+        for name in ("q_norm", "k_norm"):
+            tensors[f"{p}self_attn.{name}.weight"] = torch.ones(head_dim).bfloat16()
+    return tensors
 
 
 def _llama_tools() -> Path:

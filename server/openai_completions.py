@@ -34,7 +34,7 @@ from radixserve.server.params import budget, openai_params, truncate_prompt
 from radixserve.server.protocol import CompletionRequest, usage_in_stream
 from radixserve.server.state import ServerState
 from radixserve.server.streaming import DONE, SSEResponse, stream_chunk
-from radixserve.server.tokens import TokenIdNames, encode
+from radixserve.server.tokens import TokenIdNames, item_ids, prompt_items
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -44,29 +44,10 @@ DEFAULT_MAX_TOKENS = 16
 def _prompts(req: CompletionRequest, tokenizer: Any, vocab_size: int) -> list[tuple[list[int], str]]:
     """``(token ids, text)`` per prompt; the text is what ``echo`` returns. Token ids are checked before they are
     decoded (the tokenizer cannot decode an id outside its vocabulary)."""
-    raw = req.prompt
-    if isinstance(raw, str):
-        items: list[Any] = [raw]
-    elif raw and isinstance(raw[0], int):
-        items = [raw]
-    else:
-        items = list(raw)
-    if not items:
-        raise bad_request("prompt must not be an empty list", "prompt")
     out = []
-    for k, item in enumerate(items):
-        if isinstance(item, str):
-            ids = encode(tokenizer, item, add_special_tokens=True)
-            text = item
-        else:
-            ids = list(item)
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"prompt {k}: token id {bad} is out of range [0, {vocab_size})", "prompt")
-            text = tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-        if not ids:
-            raise bad_request(f"prompt {k} is empty: give at least one token", "prompt")
-        out.append((ids, text))
+    for k, item in enumerate(prompt_items(req.prompt, "prompt")):
+        ids = item_ids(item, k, tokenizer, vocab_size, True, "prompt")
+        out.append((ids, item if isinstance(item, str) else tokenizer.decode(ids, skip_special_tokens=False)))
     return out
 
 

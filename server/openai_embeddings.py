@@ -28,7 +28,7 @@ from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.params import truncate_prompt
 from radixserve.server.protocol import EmbeddingRequest
 from radixserve.server.state import ServerState
-from radixserve.server.tokens import encode
+from radixserve.server.tokens import encode, item_ids, prompt_items
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -38,30 +38,10 @@ WAVE = 256  # a call's inputs in the engine at once (twice that at most: ``_run_
 
 def _inputs(body: EmbeddingRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
     """Token ids per input: a text, texts, token ids, or lists of them (OpenAI's four shapes)."""
-    raw = body.input
-    if isinstance(raw, str):
-        items: list[Any] = [raw]
-    elif raw and isinstance(raw[0], int):
-        items = [raw]
-    else:
-        items = list(raw)
-    if not items:
-        raise bad_request("input must not be an empty list", "input")
+    items = prompt_items(body.input, "input")
     if len(items) > MAX_INPUTS:
         raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
-    out = []
-    for k, item in enumerate(items):
-        if isinstance(item, str):
-            ids = encode(tokenizer, item, add_special_tokens=body.add_special_tokens)
-        else:
-            ids = list(item)
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"input {k}: token id {bad} is out of range [0, {vocab_size})", "input")
-        if not ids:
-            raise bad_request(f"input {k} is empty: give at least one token", "input")
-        out.append(ids)
-    return out
+    return [item_ids(x, k, tokenizer, vocab_size, body.add_special_tokens, "input") for k, x in enumerate(items)]
 
 
 @router.post("/v1/embeddings", summary="Create embeddings (OpenAI-compatible; --runner pooling)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from radixserve.server.errors import bad_request
+
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of ``text``.
@@ -16,6 +18,35 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     if backend is not None:
         return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def prompt_items(raw: Any, param: str) -> list[Any]:
+    """OpenAI's prompt shapes (a text, texts, token ids, lists of token ids) as a list of texts and id lists; a
+    400 naming ``param`` for an empty list."""
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [raw]
+    else:
+        items = list(raw)
+    if not items:
+        raise bad_request(f"{param} must not be an empty list", param)
+    return items
+
+
+def item_ids(item: Any, k: int, tokenizer: Any, vocab_size: int, add_special_tokens: bool, param: str) -> list[int]:
+    """The token ids of prompt ``k`` (``prompt_items``), checked before anything decodes them: a 400 naming
+    ``param`` for an id outside the vocabulary or an empty prompt."""
+    if isinstance(item, str):
+        ids = encode(tokenizer, item, add_special_tokens=add_special_tokens)
+    else:
+        ids = list(item)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{param} {k}: token id {bad} is out of range [0, {vocab_size})", param)
+    if not ids:
+        raise bad_request(f"{param} {k} is empty: give at least one token", param)
+    return ids
 
 
 class TokenNames:
