@@ -97,7 +97,8 @@ class EngineAPI(ABC):
     ) -> list[ReqOutput]:
         """Blocking embeddings (``--runner pooling``) of texts (tokenized with the model's special tokens, as
         sentence-transformers does) or token ids; each final ``ReqOutput`` has its ``embedding``, or ``error``.
-        Raises ``ValueError`` as ``submit`` does (for every input before any runs)."""
+        The inputs go in ``EMBED_WAVE`` at a time; ``ValueError`` as ``submit`` raises it (for a wave's inputs
+        before any of them runs; earlier waves have run)."""
         pooling = getattr(self, "pooling", None)
         if pooling is None:
             raise ValueError("this engine generates text: embeddings need --runner pooling")

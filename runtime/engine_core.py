@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.runtime import envs
 from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
@@ -303,7 +303,7 @@ class EngineCore:
         return self._delta(req)
 
     @staticmethod
-    def _pool(req: Req, chunk: ScheduledChunk, part) -> None:
+    def _pool(req: Req, chunk: ScheduledChunk, part: Any) -> None:
         """Gather what this chunk adds to an embedding (``runtime.pooling``); at the prompt's end, make it. A
         request that pools every token takes no cached prefix, so its first chunk starts at 0 (also after a
         retraction: what it gathered before is dropped)."""
