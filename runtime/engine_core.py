@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixserve.runtime import envs
 from radixserve.runtime.batch import BatchPlan, Failure, ScheduledChunk, StepResult
@@ -20,6 +20,7 @@ from radixserve.runtime.grammar import GrammarViolation, grammar_cut, grammar_fa
 from radixserve.runtime.kv_cache import KVCacheManager
 from radixserve.runtime.kv_tier import KVTier
 from radixserve.runtime.model_runner import ModelRunner, PendingStep
+from radixserve.runtime.pooling import gather
 from radixserve.runtime.request import ErrorCode, FinishReason, Req, ReqOutput
 from radixserve.runtime.scheduler import Scheduler
 from radixserve.runtime.speculative import Drafter, NgramDrafter, can_speculate
@@ -284,7 +285,7 @@ class EngineCore:
         if result.prompt_logprobs and result.prompt_logprobs[i]:
             req.prompt_logprobs.extend(result.prompt_logprobs[i])
         if req.params.pooling is not None:
-            self._pool(req, chunk, result.pooled.get(i))
+            gather(req, chunk.start, chunk.sample, result.pooled.get(i))
         if not chunk.is_decode:
             self.cache.cache_prefix(req)
         token = result.next_tokens[i]
@@ -301,22 +302,6 @@ class EngineCore:
         if self.drafter is not None:
             self._to_propose.append(req)
         return self._delta(req)
-
-    @staticmethod
-    def _pool(req: Req, chunk: ScheduledChunk, part: Any) -> None:
-        """Gather what this chunk adds to an embedding (``runtime.pooling``); at the prompt's end, make it. A
-        request that pools every token takes no cached prefix, so its first chunk starts at 0 (also after a
-        retraction: what it gathered before is dropped)."""
-        pooling = req.params.pooling
-        assert pooling is not None
-        if chunk.start == 0:
-            req.pooled = None
-        if part is not None:
-            req.pooled = part if req.pooled is None else req.pooled + part
-        if chunk.sample:
-            assert req.pooled is not None  # (the chunk that reaches the end always gives a part)
-            req.embedding = pooling.finish(req.pooled, len(req.prompt_ids))
-            req.pooled = None
 
     def _apply_draft(self, i: int, chunk: ScheduledChunk, result: StepResult, now: float) -> ReqOutput | None:
         """A verified speculative chunk: the accepted drafts and the token after them join the output (as far as

@@ -105,6 +105,21 @@ class PoolingModel:
         return pooling
 
 
+def gather(req: Any, start: int, reaches_end: bool, part: torch.Tensor | None) -> None:
+    """Add what a computed chunk of ``req`` (from prompt position ``start``) gives its embedding; at the prompt's
+    end (``reaches_end``), make ``req.embedding``. A request that pools every token takes no cached prefix, so its
+    first chunk starts at 0 (also after a retraction: what it gathered before is dropped). Called by the engine
+    core, the owner of ``Req``."""
+    if start == 0:
+        req.pooled = None
+    if part is not None:
+        req.pooled = part if req.pooled is None else req.pooled + part
+    if reaches_end:
+        assert req.pooled is not None  # (the chunk that reaches the end always gives a part)
+        req.embedding = req.params.pooling.finish(req.pooled, len(req.prompt_ids))
+        req.pooled = None
+
+
 def serves_embeddings(runner: str, folder: Path) -> bool:
     """``--runner``: pooling, generate, or auto (pooling for a sentence-transformers folder)."""
     if runner == "auto":
