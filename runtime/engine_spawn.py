@@ -33,7 +33,7 @@ def spawn_engine_process(config: EngineConfig) -> Spawned:
     ours, theirs = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve.runtime.engine_process", str(theirs.fileno())],
+        [sys.executable, "-m", "radixserve.runtime.engine_worker", str(theirs.fileno())],
         pass_fds=[theirs.fileno()],
         env=env,
     )

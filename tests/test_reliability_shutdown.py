@@ -26,7 +26,7 @@ from tests.test_server_tiny import USER, assert_error, sse_events
 ROOT = Path(__file__).resolve().parent.parent
 GRACE_S = 2.0
 STEP_DELAY_S = 0.005  # added to every engine step, so that LONG outlasts the grace period on any machine
-# The engine process (`python -m radixserve.runtime.engine_process FD`) with that delay injected into its model runner.
+# The engine process (`python -m radixserve.runtime.engine_worker FD`) with that delay injected into its model runner.
 SLOW_ENGINE = f"""
 import runpy, sys, time
 from radixserve.runtime.model_runner import ModelRunner
@@ -35,8 +35,8 @@ def slow_run(self, plan):
     time.sleep({STEP_DELAY_S})
     return run(self, plan)
 ModelRunner.run = slow_run
-sys.argv = ["radixserve.runtime.engine_process", *sys.argv[1:]]
-runpy.run_module("radixserve.runtime.engine_process", run_name="__main__", alter_sys=True)
+sys.argv = ["radixserve.runtime.engine_worker", *sys.argv[1:]]
+runpy.run_module("radixserve.runtime.engine_worker", run_name="__main__", alter_sys=True)
 """
 # ``python -m server.cli`` (runpy is what -m uses) whose engine process starts as SLOW_ENGINE (the model runs
 # there, not in this process: a delay injected here would not slow its steps).
@@ -49,7 +49,7 @@ class _Subprocess:
         return getattr(subprocess, name)
     @staticmethod
     def Popen(argv, **kwargs):
-        if list(argv[1:3]) == ["-m", "radixserve.runtime.engine_process"]:
+        if list(argv[1:3]) == ["-m", "radixserve.runtime.engine_worker"]:
             argv = [argv[0], "-c", {SLOW_ENGINE!r}, *argv[3:]]
         return subprocess.Popen(argv, **kwargs)
 spawn.subprocess = _Subprocess()
