@@ -212,7 +212,7 @@ class ModelRunner:
         that is all of them (a decode step) or the model computes every row. A chunk's last row is always read
         (sampling, the finiteness check, last-token pooling); every row of a chunk whose drafts are verified,
         whose prompt is scored or whose embedding pools every token."""
-        if not getattr(self.model, "trims_rows", False):
+        if not getattr(self.model, "trims_rows", False) or plan.num_decode == len(plan.chunks):
             return None
         rows: list[int] = []
         widths: list[int] = []

@@ -28,7 +28,7 @@ from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.params import truncate_prompt
 from radixserve.server.protocol import EmbeddingRequest
 from radixserve.server.state import ServerState
-from radixserve.server.tokens import encode, item_ids, prompt_items
+from radixserve.server.tokens import item_ids, prompt_items
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["OpenAI"])
 
@@ -81,12 +81,7 @@ async def embed_texts(
     engine = state.ready_engine()
     lora = state.check_model(model)
     pooling = _pooling(engine, None, None)
-    prompts = []
-    for k, text in enumerate(texts):
-        ids = encode(engine.tokenizer, text, add_special_tokens=True)
-        if not ids:
-            raise bad_request(f"text {k} is empty: give at least one token", param)
-        prompts.append(ids)
+    prompts = [item_ids(text, k, engine.tokenizer, engine.vocab_size, True, param) for k, text in enumerate(texts)]
     results = await embed(state, request, _fit(prompts, truncate, engine, param), pooling, lora, priority, None)
     return [_vector(res) for res in results], results, lora or state.served_name
 
