@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+MADV_POPULATE_READ = 22  # Linux's value (mmap has no name for it before Python 3.13)
+
 # GGML tensor types the engine meets: id -> (name, values per block, bytes per block), as gguf-py's
 # GGML_QUANT_SIZES (tests/test_quant.py checks every row against it). Others are looked up in gguf-py, whose import
 # (~0.2 s) a start with only these types does not pay.
@@ -108,6 +110,13 @@ class GGUFFile:
             self.tensors.append(TensorInfo(name, tuple(int(d) for d in reversed(dims)), ttype, start + offset, nbytes))
 
     def data(self, t: TensorInfo) -> np.ndarray:
+        # Map the tensor's pages at once (MADV_POPULATE_READ, Linux 5.14+; waits for any not yet read in): the
+        # repacking then takes no fault per 4 KB page. SmolLM2's Q4_1 file: load_model 0.35 s against 0.38 s,
+        # medians of 8. Older kernels refuse it, and the pages fault in one by one as before.
+        start = t.offset - t.offset % mmap.PAGESIZE
+        with contextlib.suppress(AttributeError, OSError):
+            if t.nbytes:
+                self._map.madvise(MADV_POPULATE_READ, start, t.offset + t.nbytes - start)
         return np.frombuffer(self._map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
 
     def close(self) -> None:
