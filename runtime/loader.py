@@ -251,14 +251,22 @@ def load_model(
     folder = model_folder(config)
     hf_config = model_config(config, folder)
     args = ModelArgs.from_hf_config(hf_config)
-    pooling = read_pooling(folder, hf_config) if serves_embeddings(config.runner, folder) else None
-    if pooling is not None:
-        # Embeddings never read the head: it is the embedding's (tied), and a head the checkpoint has is not read.
-        args = dataclasses.replace(args, tie_word_embeddings=True)
-        logger.info("serving embeddings (--runner pooling): %s", pooling.describe())
+    tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
+    pooling = None
+    if serves_embeddings(config.runner, folder, hf_config):
+        pooling = read_pooling(folder, hf_config, tokenizer)
+        if pooling.labels is None:
+            # Embeddings never read the head: it is the embedding's (tied), and a head the checkpoint has is not read.
+            args = dataclasses.replace(args, tie_word_embeddings=True)
+        served = "scores" if pooling.labels is not None else "embeddings"
+        logger.info("serving %s (--runner pooling): %s", served, pooling.describe())
+    elif args.head_size is not None:
+        raise ValueError(
+            f"{hf_config.architectures[0]} is a sequence classifier: it scores and generates no text; serve it with "
+            "--runner pooling (or auto)"
+        )
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, hf_config)
-    tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
     load_start = time.perf_counter()
     with one_intra_op_thread():
         model = build_model(args, dtype, device)

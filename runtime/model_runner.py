@@ -129,6 +129,8 @@ class ModelRunner:
         n_rows = hidden.shape[0]
         hidden_ok = finite_rows(hidden[self._rows(last_rows, n_rows)])
         pooled = self._pool(plan, hidden, widths) if any(c.req.params.pooling is not None for c in plan.chunks) else {}
+        if any(plan.chunks[i].req.params.pooling.classify for i in pooled):  # type: ignore[union-attr]
+            self._classify(plan, pooled, hidden, last_rows)
 
         # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
         candidates = [
@@ -206,6 +208,24 @@ class ModelRunner:
                     out[i] = part
             offset += widths[i]
         return out
+
+    def _classify(
+        self, plan: BatchPlan, pooled: dict[int, torch.Tensor], hidden: torch.Tensor, last_rows: list[int]
+    ) -> None:
+        """A classifier's parts are its head's logits at the prompt's last row (``Pooling.classify``): one product
+        of the head for every such chunk of the step, in the model's dtype, as the head computes a token's logits."""
+        chunks = [i for i in pooled if plan.chunks[i].req.params.pooling.classify]  # type: ignore[union-attr]
+        logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in chunks], hidden.shape[0])])
+        logits = logits.float().cpu()
+        for k, i in enumerate(chunks):
+            pooling = plan.chunks[i].req.params.pooling
+            assert pooling is not None
+            row = logits[k]
+            if pooling.tokens:
+                row = row[list(pooling.tokens)]
+                if pooling.two_way:
+                    row = row[1:] - row[:1]
+            pooled[i] = row
 
     def _kept_rows(self, plan: BatchPlan) -> tuple[torch.Tensor, list[int]] | None:
         """The rows whose final hidden states this step reads, and how many of each chunk's that is; None where

@@ -14,11 +14,19 @@ prefill and batching with other requests are the ordinary code path:
 * ``mean`` and ``cls`` (the first token) need the hidden states of every prompt token (of the first): such a
   request takes no cached prefix (``needs_whole_prompt``) and sums from its first chunk, so a retracted one that
   resumes starts over.
+
+A classifier (a cross-encoder reranker) is served the same way: its output is the head's logits at the last
+token instead of the hidden state (``Pooling.classify``). The head is a ``*ForSequenceClassification``
+checkpoint's ``score`` (``num_labels`` outputs, loaded as the model's head), or, with vLLM's
+``classifier_from_token`` in the config (``--hf-overrides``), a language model's own head read at those tokens:
+Qwen3-Reranker answers "yes" or "no", and its score is sigmoid(logit yes - logit no) (``two_way``), which is the
+softmax of the pair. The activation (``PoolingModel.activation``) is the front end's to apply.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,16 +40,22 @@ _ST_MODES = {"lasttoken": "last", "mean_tokens": "mean", "mean": "mean", "cls_to
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
 @dataclass(frozen=True)
 class Pooling:
     """How one request's embedding is made: ``kind`` of pooling, then the first ``dimensions`` values kept
-    (Matryoshka; None: all), then L2 normalization when ``normalize``."""
+    (Matryoshka; None: all), then L2 normalization when ``normalize``. A classifier's (``classify``): the head's
+    logits at the last token, all of them, or those of ``tokens`` where the head is a language model's; with
+    ``two_way``, the second of those minus the first (one output)."""
 
     kind: str = "last"
     normalize: bool = True
     dimensions: int | None = None
+    classify: bool = False
+    tokens: tuple[int, ...] = ()
+    two_way: bool = False
 
     @property
     def needs_whole_prompt(self) -> bool:
@@ -51,6 +65,8 @@ class Pooling:
     def validate(self, hidden_size: int, matryoshka: tuple[int, ...] | None) -> None:
         if self.kind not in POOLING_KINDS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}, got {self.kind!r}")
+        if self.classify and (self.kind != "last" or self.normalize or self.dimensions is not None):
+            raise ValueError("a classifier reads its head at the last token, unnormalized, every output")
         if self.dimensions is None:
             return
         if matryoshka is None:
@@ -64,9 +80,12 @@ class Pooling:
             raise ValueError(f"dimensions must be one of {which} for this model, got {self.dimensions}")
 
     def finish(self, pooled: torch.Tensor, count: int) -> list[float]:
-        """The embedding from what the chunks gave over ``count`` tokens (float32)."""
+        """The embedding from what the chunks gave over ``count`` tokens (float32); a classifier's logits as the
+        runner computed them."""
         import torch.nn.functional as F  # (engine side only)
 
+        if self.classify:
+            return pooled.tolist()
         vec = pooled / count if self.kind == "mean" else pooled
         if self.dimensions is not None:
             vec = vec[: self.dimensions]
@@ -83,8 +102,35 @@ class PoolingModel:
     hidden_size: int
     # Matryoshka: None where the embeddings cannot be shortened; () any length; else the lengths trained.
     matryoshka: tuple[int, ...] | None = None
+    # A classifier's outputs, named (None: the model serves embeddings), and how its logits become scores:
+    # "classify" (sigmoid of one output, softmax over several), "sigmoid" (each output's), "identity".
+    labels: tuple[str, ...] | None = None
+    activation: str = "classify"
+
+    def check(self, pooling: Pooling) -> None:
+        """``ValueError`` where a request's pooling is not one this model gives."""
+        if pooling.classify != (self.labels is not None) or (
+            pooling.classify and (pooling.tokens, pooling.two_way) != (self.default.tokens, self.default.two_way)
+        ):
+            raise ValueError("the request's pooling is not this model's (an embedding model's, or a classifier's)")
+        pooling.validate(self.hidden_size, self.matryoshka)
+
+    def activate(self, logits: list[float]) -> list[float]:
+        """A classifier's scores from its logits (``activation``)."""
+        if self.activation == "identity":
+            return list(logits)
+        if self.activation == "sigmoid" or len(logits) == 1:
+            return [_sigmoid(x) for x in logits]
+        top = max(logits)
+        exp = [math.exp(x - top) for x in logits]
+        total = sum(exp)
+        return [e / total for e in exp]
 
     def describe(self) -> str:
+        if self.labels is not None:
+            how = "the two tokens' logits' difference" if self.default.two_way else "its head's logits"
+            outputs = f"{len(self.labels)} output(s) ({', '.join(self.labels)})"
+            return f"a classifier of {outputs} from {how} at the last token, activation {self.activation}"
         kind = {"last": "the last token", "mean": "the mean of the tokens", "cls": "the first token"}[self.default.kind]
         norm = ", L2-normalized" if self.default.normalize else ""
         if self.matryoshka is None:
@@ -96,6 +142,10 @@ class PoolingModel:
     def request(self, dimensions: int | None = None, normalize: bool | None = None) -> Pooling:
         """A request's pooling: the model's, with the request's length and normalization; ``ValueError`` when the
         model cannot give that length."""
+        if self.labels is not None:
+            if dimensions is not None:
+                raise ValueError("dimensions: a classifier's outputs cannot be shortened; leave dimensions out")
+            return self.default
         pooling = Pooling(
             self.default.kind,
             self.default.normalize if normalize is None else normalize,
@@ -120,18 +170,28 @@ def gather(req: Any, start: int, reaches_end: bool, part: torch.Tensor | None) -
         req.pooled = None
 
 
-def serves_embeddings(runner: str, folder: Path) -> bool:
-    """``--runner``: pooling, generate, or auto (pooling for a sentence-transformers folder)."""
+def serves_embeddings(runner: str, folder: Path, hf_config: Any) -> bool:
+    """``--runner``: pooling, generate, or auto (pooling for a sentence-transformers folder or a classifier)."""
     if runner == "auto":
-        return (folder / "modules.json").is_file()
+        return (folder / "modules.json").is_file() or is_classifier(hf_config)
     return runner == "pooling"
 
 
-def read_pooling(folder: Path, hf_config: Any) -> PoolingModel:
-    """The model folder's embedding recipe (sentence-transformers files), else the last token, normalized.
-    Raises ``ValueError`` for a recipe this server cannot follow (a module it does not run, a pooling mode it
-    does not have), naming it."""
+def is_classifier(hf_config: Any) -> bool:
+    """Whether the config names a ``*ForSequenceClassification`` architecture (a cross-encoder, a classifier)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return bool(archs) and str(archs[0]).endswith(CLASSIFIER_SUFFIX)
+
+
+def read_pooling(folder: Path, hf_config: Any, tokenizer: Any) -> PoolingModel:
+    """The model folder's embedding recipe (sentence-transformers files), else the last token, normalized; for a
+    classifier (``read_classifier``), its head. Raises ``ValueError`` for a recipe this server cannot follow (a
+    module it does not run, a pooling mode it does not have), naming it."""
     hidden = int(hf_config.hidden_size)
+    classifier = read_classifier(hf_config, tokenizer)
+    if classifier is not None:
+        default, labels, activation = classifier
+        return PoolingModel(default, hidden, None, labels, activation)
     default = Pooling("last", True)
     modules_file = folder / "modules.json"
     if modules_file.is_file():
@@ -143,6 +203,66 @@ def read_pooling(folder: Path, hf_config: Any) -> PoolingModel:
     elif getattr(hf_config, "is_matryoshka", False):
         matryoshka = ()
     return PoolingModel(default, hidden, matryoshka)
+
+
+def read_classifier(hf_config: Any, tokenizer: Any) -> tuple[Pooling, tuple[str, ...], str] | None:
+    """A classifier's pooling, output names and activation; None for a model that is no classifier. vLLM's
+    ``classifier_from_token`` (tokens whose logits are the outputs) and ``method: from_2_way_softmax`` or
+    ``is_original_qwen3_reranker`` (one output: the second token's logit minus the first's) are honoured."""
+    from_tokens = getattr(hf_config, "classifier_from_token", None)
+    if not is_classifier(hf_config) and not from_tokens:
+        return None
+    two_way = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+    two_way = two_way or getattr(hf_config, "method", None) == "from_2_way_softmax"
+    activation = _activation(hf_config)
+    if not from_tokens:
+        if two_way:
+            raise ValueError("a two-way reranker (from_2_way_softmax) needs classifier_from_token: [no, yes] tokens")
+        from radixserve.runtime.models.families import classifier_head  # (the loader's: the engine side)
+
+        n = classifier_head(hf_config) or 0
+        id2label = getattr(hf_config, "id2label", None) or {}
+        labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
+        return Pooling("last", normalize=False, classify=True), labels, activation
+    if not isinstance(from_tokens, list) or not from_tokens or not all(isinstance(t, str) for t in from_tokens):
+        raise ValueError(f"classifier_from_token must be a list of tokens, got {from_tokens!r}")
+    ids = []
+    for token in from_tokens:
+        token_id = tokenizer.backend_tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary")
+        ids.append(int(token_id))
+    if two_way and len(ids) != 2:
+        raise ValueError(f"a two-way reranker reads two tokens (no, yes); classifier_from_token has {len(ids)}")
+    labels = (from_tokens[1],) if two_way else tuple(from_tokens)
+    return Pooling("last", normalize=False, classify=True, tokens=tuple(ids), two_way=two_way), labels, activation
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+# sentence-transformers' CrossEncoder names its activation as a class of torch.nn.modules (vLLM reads it too).
+_ST_ACTIVATIONS = {"Sigmoid": "classify", "Softmax": "classify", "Identity": "identity"}
+
+
+def _activation(hf_config: Any) -> str:
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return "identity"
+    if problem == "multi_label_classification":
+        return "sigmoid"
+    if problem == "single_label_classification":
+        return "classify"
+    st = getattr(hf_config, "sentence_transformers", None)
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if not name:
+        return "classify"
+    short = str(name).rsplit(".", 1)[-1]
+    if short not in _ST_ACTIVATIONS:
+        raise ValueError(f"the classifier's activation {name} is not supported (supported: Sigmoid, Softmax, Identity)")
+    return _ST_ACTIVATIONS[short]
 
 
 def _sentence_transformers(folder: Path, modules_file: Path) -> Pooling:

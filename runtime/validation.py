@@ -30,8 +30,9 @@ def validate_request(
         raise ValueError("this server generates text: embeddings need a server started with --runner pooling")
     if pooling is not None:
         if params.pooling is None:
-            raise ValueError("this server serves embeddings (--runner pooling): it generates no text")
-        params.pooling.validate(pooling.hidden_size, pooling.matryoshka)
+            what = "embeddings" if pooling.labels is None else "scores (a classifier)"
+            raise ValueError(f"this server serves {what} (--runner pooling): it generates no text")
+        pooling.check(params.pooling)
     if params.lora_name is not None and params.lora_name not in lora_names:
         served = f"it serves {', '.join(sorted(lora_names))}" if lora_names else "it serves no adapter now"
         raise ValueError(f"no LoRA adapter is named {params.lora_name!r} on this server; {served}")

@@ -17,7 +17,7 @@ from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART_TYPES = ("text", "input_text")
 # Keys the server passes to the template itself; chat_template_kwargs must not override them.
-_RESERVED_KWARGS = {
+RESERVED_TEMPLATE_KWARGS = {
     "conversation",
     "messages",
     "tools",
@@ -161,7 +161,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, template_override: s
     choice = req.tool_choice
     offer_tools = bool(req.tools) and choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if offer_tools and req.tools else None
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
     source = _template_source(tokenizer, template_override)
     if "tool_calls" not in source:
         messages = _inline_tool_turns(messages)

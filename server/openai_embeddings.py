@@ -50,7 +50,8 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
     engine = state.ready_engine()
     lora = state.check_model(body.model)
     pooling = _pooling(engine, body.dimensions, body.normalize)
-    prompts = _fit(_inputs(body, engine.tokenizer, engine.vocab_size), body.truncate_prompt_tokens, engine, "input")
+    prompts = _inputs(body, engine.tokenizer, engine.vocab_size)
+    prompts = fit_prompts(prompts, body.truncate_prompt_tokens, engine, "input")
     results = await embed(state, request, prompts, pooling, lora, body.priority, body.cache_salt)
     data = [_item(k, res, body.encoding_format) for k, res in enumerate(results)]
     prompt_tokens = sum(r.prompt_tokens for r in results)
@@ -82,16 +83,19 @@ async def embed_texts(
     lora = state.check_model(model)
     pooling = _pooling(engine, None, None)
     prompts = [item_ids(text, k, engine.tokenizer, engine.vocab_size, True, param) for k, text in enumerate(texts)]
-    results = await embed(state, request, _fit(prompts, truncate, engine, param), pooling, lora, priority, None)
-    return [_vector(res) for res in results], results, lora or state.served_name
+    results = await embed(state, request, fit_prompts(prompts, truncate, engine, param), pooling, lora, priority, None)
+    return [vector_of(res) for res in results], results, lora or state.served_name
 
 
 def _pooling(engine: Any, dimensions: int | None, normalize: bool | None) -> Pooling:
     """A request's pooling on this server: a 400 where it serves no embeddings, or cannot give that length."""
-    if engine.pooling is None:
+    if engine.pooling is None or engine.pooling.labels is not None:
+        served = "generates text"
+        if engine.pooling is not None:
+            served = "serves a classifier (/v1/score, /v1/rerank, /classify)"
         raise APIError(
             400,
-            "this server generates text and serves no embeddings; start it with --runner pooling (an embedding model)",
+            f"this server {served} and no embeddings; embeddings need an embedding model served with --runner pooling",
             param="model",
             code="model_not_supported",
         )
@@ -101,7 +105,7 @@ def _pooling(engine: Any, dimensions: int | None, normalize: bool | None) -> Poo
         raise bad_request(str(exc), "dimensions") from None
 
 
-def _fit(prompts: list[list[int]], keep: int | None, engine: Any, param: str) -> list[list[int]]:
+def fit_prompts(prompts: list[list[int]], keep: int | None, engine: Any, param: str) -> list[list[int]]:
     """vLLM's ``truncate_prompt_tokens`` (-1: the whole context: an embedding generates nothing), then a 400 for a
     prompt longer than the context."""
     if keep is not None:
@@ -160,7 +164,7 @@ async def _run_in_waves(
     return results
 
 
-def _vector(res: Result) -> list[float]:
+def vector_of(res: Result) -> list[float]:
     if res.finish_reason == FinishReason.ERROR:
         raise request_failed(res.error, res.error_code)
     if res.embedding is None:  # aborted (a shutdown, /abort_request) before its prompt was computed
@@ -169,7 +173,7 @@ def _vector(res: Result) -> list[float]:
 
 
 def _item(index: int, res: Result, encoding_format: str) -> dict[str, Any]:
-    values: Any = _vector(res)
+    values: Any = vector_of(res)
     if encoding_format == "base64":
         values = base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
     return {"object": "embedding", "index": index, "embedding": values}

@@ -46,6 +46,11 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # family's, without a head; its tensors lack the ``model.`` prefix.
 BARE_DECODERS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 _BARE_NAMES = (re.compile(r"^(embed_tokens|layers|norm)\."), r"model.\1.")
+# A sequence classifier (``Qwen3ForSequenceClassification``: a cross-encoder reranker) is its family's decoder
+# with a head of ``num_labels`` outputs, ``score``, in place of the vocabulary's: loaded as ``lm_head``. With
+# vLLM's ``classifier_from_token`` the head is the language model's own (``runtime.pooling.read_classifier``).
+CLASSIFIERS = {arch.removesuffix("ForCausalLM") + "ForSequenceClassification": arch for arch in SUPPORTED_ARCHITECTURES}
+_SCORE_HEAD = (re.compile(r"^score\."), "lm_head.")
 
 
 RopeSpec = tuple[float, dict[str, Any] | None]  # (theta, scaling)
@@ -98,7 +103,8 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 
 def model_args(cfg: Any) -> ModelArgs:
     archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
-    arch = BARE_DECODERS.get(archs[0], archs[0])
+    arch = BARE_DECODERS.get(archs[0], CLASSIFIERS.get(archs[0], archs[0]))
+    head_size = classifier_head(cfg) if archs[0] in CLASSIFIERS else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
@@ -136,7 +142,8 @@ def model_args(cfg: Any) -> ModelArgs:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", gemma)),
+        tie_word_embeddings=head_size is None and bool(getattr(cfg, "tie_word_embeddings", gemma)),
+        head_size=head_size,
         qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
         o_bias=llama_bias,
         architecture=arch,
@@ -153,6 +160,17 @@ def model_args(cfg: Any) -> ModelArgs:
         hidden_act=act,
         **_moe(cfg, arch, layers),
     )
+
+
+def classifier_head(cfg: Any) -> int | None:
+    """A sequence classifier's head outputs (transformers' count: ``id2label``'s entries, else ``num_labels``, else
+    2); None where ``classifier_from_token`` makes the language model's head the classifier's."""
+    if getattr(cfg, "classifier_from_token", None):
+        return None
+    id2label = getattr(cfg, "id2label", None)
+    if isinstance(id2label, dict) and id2label:
+        return len(id2label)
+    return int(getattr(cfg, "num_labels", None) or 2)
 
 
 def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
@@ -185,7 +203,8 @@ def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
 
 def renamer(arch: str) -> Callable[[str], str]:
     """A checkpoint tensor's name -> the shared decoder's (``CHECKPOINT_RENAMES``)."""
-    renames = [_BARE_NAMES, *((re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ()))]
+    renames = [_BARE_NAMES, _SCORE_HEAD]
+    renames += [(re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ())]
 
     def rename(name: str) -> str:
         for pattern, repl in renames:

@@ -4,8 +4,8 @@
 passes an ``HttpTransport`` over replica URLs (``run_router``), the Ray Serve ingress one over deployment handles.
 
 Routes:
-  * POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score, /v1/rerank, /generate, /v1/messages,
-    /v1/responses: routed by the policy on the request's text, streamed through when the replica streams
+  * POST /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score, /v1/rerank, /v1/classify, /generate,
+    /v1/messages, /v1/responses: routed by the policy on the request's text, streamed through when the replica streams
     (``server.router.proxy``); a Responses request with ``previous_response_id`` goes to the replica that stored
     that response;
   * GET / DELETE /v1/responses/{id} (with its query: a background response streamed again), its /input_items, and
@@ -136,9 +136,9 @@ def _build_routes() -> tuple[APIRouter, APIRouter]:
     async def embeddings(request: Request) -> Response:
         return await _routed(request, "/v1/embeddings")
 
-    for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+    for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/classify", "/classify"):
         api.add_api_route(path, _scored(path), methods=["POST"], include_in_schema=path.startswith("/v1/"),
-                          summary="Scores (an embedding model's), proxied to the chosen replica")  # fmt: skip
+                          summary="Scores and classes (a pooling model's), proxied to the chosen replica")  # fmt: skip
 
     @api.post("/v1/responses", summary="Responses API, proxied to the chosen replica (or the one storing the thread)")
     async def responses(request: Request) -> Response:

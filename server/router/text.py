@@ -7,7 +7,8 @@ two requests whose prompts share a long head also share a long head here. So:
   * Messages (``/v1/messages``) and Responses (``/v1/responses``): read as chat, the system prompt or the
     instructions as a first system message;
   * completions (``/v1/completions``): the prompt (a batch: its prompts joined by record separators);
-    embeddings (``/v1/embeddings``): the input, the same way; scores: the query (``/rerank``) or ``text_1``;
+    embeddings (``/v1/embeddings``, ``/v1/classify``): the input, the same way; scores: the query (``/rerank``)
+    or the first texts (``text_1``, ``queries``, ``data_1``);
   * native ``/generate``: its ``routing_text`` where the client gives one (token ids whose text it knows: the
     DSL's ``select`` gives the text its choices continue, so that it goes where the program's other requests
     went), else ``text`` the same way, or ``input_ids`` as ``"1,2,3,"`` (each id followed by a comma, so a
@@ -93,12 +94,13 @@ def routing_text(path: str, body: Any) -> str:
             return responses_text(body)
         if path.endswith("/completions"):
             return _prompt(body.get("prompt"))
-        if path.endswith("/embeddings"):
+        if path.endswith(("/embeddings", "/classify")):
             return _prompt(body.get("input"))
         if path.endswith("/rerank"):
             return _prompt(body.get("query"))
         if path.endswith("/score"):
-            return _prompt(body.get("text_1"))
+            first = next((body[k] for k in ("text_1", "queries", "data_1") if body.get(k) is not None), None)
+            return _prompt(first)
         if path.endswith("/generate"):
             if isinstance(body.get("routing_text"), str):  # token ids with the text they continue (the DSL's select)
                 return body["routing_text"]
