@@ -59,9 +59,10 @@ class EngineConfig:
     runner: str = _opt(
         "auto",
         "What the model serves: generate (text), or pooling (embeddings on /v1/embeddings: the prompt's hidden "
-        "states pooled as the model's sentence-transformers files say, else its last token's, normalized). auto: "
-        "pooling for a folder with sentence-transformers' modules.json, else generate. SGLang's --is-embedding "
-        "is --runner pooling.",
+        "states pooled as the model's sentence-transformers files say, else its last token's, normalized; a "
+        "classifier's scores on /v1/score, /v1/rerank and /v1/classify). auto: pooling for a folder with "
+        "sentence-transformers' modules.json, a *ForSequenceClassification architecture or classifier_from_token "
+        "in the config, else generate. SGLang's --is-embedding is --runner pooling.",
         ("auto", "generate", "pooling"),
     )
     hf_overrides: str = _opt(

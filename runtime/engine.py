@@ -146,7 +146,7 @@ class Engine(EngineAPI):
             max_bs = config.cuda_graph_max_bs or config.max_running_requests
             graphs = DecodeGraphs(loaded.model, pool, max_bs, self.max_context_len, loaded.device)
             graphs.capture()
-        runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs, loras)
+        runner = ModelRunner(model, pool, attention, sampler, loaded.device, graphs, loras, loaded.classifier)
         tier = None
         if config.enable_hierarchical_cache:
             layout = (args.num_layers, kv_heads, args.head_dim)

@@ -96,7 +96,8 @@ class EngineAPI(ABC):
         normalize: bool | None = None,
     ) -> list[ReqOutput]:
         """Blocking embeddings (``--runner pooling``) of texts (tokenized with the model's special tokens, as
-        sentence-transformers does) or token ids; each final ``ReqOutput`` has its ``embedding``, or ``error``.
+        sentence-transformers does) or token ids; each final ``ReqOutput`` has its ``embedding`` (a classifier's:
+        its outputs, before the activation), or ``error``.
         The inputs go in ``EMBED_WAVE`` at a time; ``ValueError`` as ``submit`` raises it (for a wave's inputs
         before any of them runs; earlier waves have run)."""
         pooling = getattr(self, "pooling", None)

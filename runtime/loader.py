@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.runtime.classifier_head import HeadCapture
 from radixserve.runtime.config import EngineConfig
 from radixserve.runtime.cpu_features import NATIVE_BF16_FLAGS, cpu_flags
 from radixserve.runtime.gguf_convert import WEIGHTS_FILE
@@ -25,7 +26,7 @@ from radixserve.runtime.models.linear import LoadPacker, onednn_usable, plain_bf
 from radixserve.runtime.models.llama import LlamaForCausalLM, ModelArgs, RMSNorm
 from radixserve.runtime.models.loading import MergedRows, StagingPool
 from radixserve.runtime.models.quant import QUANTIZERS, QuantParts
-from radixserve.runtime.pooling import PoolingModel, read_pooling, serves_embeddings
+from radixserve.runtime.pooling import PoolingModel, is_classifier, read_pooling, serves_embeddings
 from radixserve.runtime.quantized_checkpoint import QuantSpec, iter_quantized_weights
 from radixserve.runtime.safetensors_read import READ_AHEAD_BYTES, Destination, Select
 from radixserve.runtime.threads import one_intra_op_thread
@@ -51,6 +52,7 @@ class LoadedModel:
     name: str
     load_seconds: float = 0.0  # building the model, reading and packing its weights (not the tokenizer)
     pooling: PoolingModel | None = None  # --runner pooling: the embeddings it serves (None: it generates)
+    classifier: torch.Tensor | None = None  # a classifier's head, [outputs, hidden] float32 (runtime.classifier_head)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -145,10 +147,12 @@ def model_weights(
     device: torch.device,
     into: Destination | None = None,
     select: Select | None = None,
+    capture: HeadCapture | None = None,
 ) -> Iterator[Any]:
     """The checkpoint's tensors, in the weight format ``--quantization`` asks for (see ``EngineConfig``); a
     safetensors checkpoint served dense is read where ``into`` says (``MergedRows``), and only the part of each
-    tensor ``select`` names (a tensor-parallel rank's shard).
+    tensor ``select`` names (a tensor-parallel rank's shard). ``capture`` takes a classifier's head from the
+    stream, before any ``--quantization`` rounds it.
 
     Blocks are served by the CPU kernels of a single-process model only: on a GPU or under tensor parallelism the
     weights are dense (dequantized exactly)."""
@@ -169,6 +173,8 @@ def model_weights(
         ahead = READ_AHEAD_BYTES // config.tp
         mapped = into.maps if dense and isinstance(into, MergedRows) else None
         weights = iter_weights(folder, into=into if dense else None, select=select, ahead=ahead, mapped=mapped)
+    if capture is not None:
+        weights = capture.capture(weights)
     target = {"int8": "Q8_0", "int4": "Q4_1"}.get(config.quantization)
     if target is None or not blocks_ok:
         if target is not None:
@@ -252,15 +258,16 @@ def load_model(
     hf_config = model_config(config, folder)
     args = ModelArgs.from_hf_config(hf_config)
     tokenizer = load_tokenizer(tokenizer_folder(config, folder), lean=lean_tokenizer)
-    pooling = None
+    pooling, capture = None, None
     if serves_embeddings(config.runner, folder, hf_config):
         pooling = read_pooling(folder, hf_config, tokenizer)
-        if pooling.labels is None:
-            # Embeddings never read the head: it is the embedding's (tied), and a head the checkpoint has is not read.
-            args = dataclasses.replace(args, tie_word_embeddings=True)
+        if pooling.labels is not None:  # a classifier's head is taken from the checkpoint as it streams by
+            capture = HeadCapture(pooling.default, len(pooling.labels), args.hidden_size, args.tie_word_embeddings)
+        # The vocabulary's head is never read: it is the embedding's (tied), and a head the checkpoint has is skipped.
+        args = dataclasses.replace(args, tie_word_embeddings=True)
         served = "scores" if pooling.labels is not None else "embeddings"
         logger.info("serving %s (--runner pooling): %s", served, pooling.describe())
-    elif args.head_size is not None:
+    elif is_classifier(hf_config):
         raise ValueError(
             f"{hf_config.architectures[0]} is a sequence classifier: it scores and generates no text; serve it with "
             "--runner pooling (or auto)"
@@ -285,8 +292,10 @@ def load_model(
             if cuts is not None:
                 raise ValueError("--load-format dummy runs on one process (no tensor parallelism)")
             dummy_weights(model, device, config.seed)
+            if capture is not None:
+                capture.dummy(config.seed)
         else:
-            weights = model_weights(folder, hf_config, config, device, into, select)
+            weights = model_weights(folder, hf_config, config, device, into, select, capture)
             cut = cuts.cut if cuts is not None else None
             packer = LoadPacker(staging=staging) if packs else None
             try:
@@ -318,4 +327,5 @@ def load_model(
         name=config.model,
         load_seconds=load_seconds,
         pooling=pooling,
+        classifier=capture.head(device) if capture is not None else None,
     )

@@ -14,6 +14,7 @@ import torch
 from radixserve.runtime import envs
 from radixserve.runtime.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from radixserve.runtime.batch import BatchPlan, Failure, StepResult
+from radixserve.runtime.classifier_head import classify_rows
 from radixserve.runtime.grammar import draft_mask, grammar_failure, grammar_mask
 from radixserve.runtime.greedy import finite_rows
 from radixserve.runtime.kv_pool import KVPool
@@ -71,8 +72,10 @@ class ModelRunner:
         device: torch.device,
         graphs: DecodeGraphs | None = None,
         loras: LoRAs | None = None,
+        classifier: torch.Tensor | None = None,
     ) -> None:
         self.model = model
+        self.classifier = classifier  # a classifier's head, [outputs, hidden] float32 (runtime.classifier_head)
         self.graphs = graphs  # CUDA: plain decode steps replay a captured graph
         self.loras = loras  # the served LoRA adapters (--lora-modules), None without
         self.pool = pool
@@ -129,7 +132,7 @@ class ModelRunner:
         n_rows = hidden.shape[0]
         hidden_ok = finite_rows(hidden[self._rows(last_rows, n_rows)])
         pooled = self._pool(plan, hidden, widths) if any(c.req.params.pooling is not None for c in plan.chunks) else {}
-        if any(plan.chunks[i].req.params.pooling.classify for i in pooled):  # type: ignore[union-attr]
+        if self.classifier is not None:
             self._classify(plan, pooled, hidden, last_rows)
 
         # Rows to sample, as if every row were finite: the checks' results arrive with the tokens (one transfer).
@@ -202,7 +205,7 @@ class ModelRunner:
         offset = 0
         for i, chunk in enumerate(plan.chunks):
             pooling = chunk.req.params.pooling
-            if pooling is not None:
+            if pooling is not None and not pooling.classify:  # (a classifier's part: ``_classify``)
                 part = pool_chunk(pooling, hidden[offset : offset + widths[i]], chunk.start, chunk.sample)
                 if part is not None:
                     out[i] = part
@@ -212,20 +215,13 @@ class ModelRunner:
     def _classify(
         self, plan: BatchPlan, pooled: dict[int, torch.Tensor], hidden: torch.Tensor, last_rows: list[int]
     ) -> None:
-        """A classifier's parts are its head's logits at the prompt's last row (``Pooling.classify``): one product
-        of the head for every such chunk of the step, in the model's dtype, as the head computes a token's logits."""
-        chunks = [i for i in pooled if plan.chunks[i].req.params.pooling.classify]  # type: ignore[union-attr]
-        logits = self.model.compute_logits(hidden[self._rows([last_rows[i] for i in chunks], hidden.shape[0])])
-        logits = logits.float().cpu()
-        for k, i in enumerate(chunks):
-            pooling = plan.chunks[i].req.params.pooling
-            assert pooling is not None
-            row = logits[k]
-            if pooling.tokens:
-                row = row[list(pooling.tokens)]
-                if pooling.two_way:
-                    row = row[1:] - row[:1]
-            pooled[i] = row
+        """A classifier's part is its outputs at the prompt's last row (``Pooling.classify``): one product with
+        the head (``runtime.classifier_head``) for every chunk of the step that reaches its prompt's end."""
+        chunks = [i for i, c in enumerate(plan.chunks) if c.sample and c.req.params.pooling is not None]
+        if chunks:
+            rows = hidden[self._rows([last_rows[i] for i in chunks], hidden.shape[0])]
+            outputs = classify_rows(rows, self.classifier).cpu()  # type: ignore[arg-type]
+            pooled.update((i, outputs[k]) for k, i in enumerate(chunks))
 
     def _kept_rows(self, plan: BatchPlan) -> tuple[torch.Tensor, list[int]] | None:
         """The rows whose final hidden states this step reads, and how many of each chunk's that is; None where

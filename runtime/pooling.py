@@ -173,7 +173,8 @@ def gather(req: Any, start: int, reaches_end: bool, part: torch.Tensor | None) -
 def serves_embeddings(runner: str, folder: Path, hf_config: Any) -> bool:
     """``--runner``: pooling, generate, or auto (pooling for a sentence-transformers folder or a classifier)."""
     if runner == "auto":
-        return (folder / "modules.json").is_file() or is_classifier(hf_config)
+        classifier = is_classifier(hf_config) or bool(getattr(hf_config, "classifier_from_token", None))
+        return (folder / "modules.json").is_file() or classifier
     return runner == "pooling"
 
 
@@ -220,8 +221,10 @@ def read_classifier(hf_config: Any, tokenizer: Any) -> tuple[Pooling, tuple[str,
             raise ValueError("a two-way reranker (from_2_way_softmax) needs classifier_from_token: [no, yes] tokens")
         from radixserve.runtime.models.families import classifier_head  # (the loader's: the engine side)
 
-        n = classifier_head(hf_config) or 0
-        id2label = getattr(hf_config, "id2label", None) or {}
+        n = classifier_head(hf_config)
+        id2label = getattr(hf_config, "id2label", None)
+        if not isinstance(id2label, dict) or len(id2label) != n:  # (num_labels set over them: transformers' names)
+            id2label = {}
         labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
         return Pooling("last", normalize=False, classify=True), labels, activation
     if not isinstance(from_tokens, list) or not from_tokens or not all(isinstance(t, str) for t in from_tokens):
@@ -229,7 +232,7 @@ def read_classifier(hf_config: Any, tokenizer: Any) -> tuple[Pooling, tuple[str,
     ids = []
     for token in from_tokens:
         token_id = tokenizer.backend_tokenizer.token_to_id(token)
-        if token_id is None:
+        if token_id is None or not 0 <= token_id < int(hf_config.vocab_size):
             raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary")
         ids.append(int(token_id))
     if two_way and len(ids) != 2:
@@ -243,26 +246,26 @@ def _sigmoid(x: float) -> float:
 
 
 # sentence-transformers' CrossEncoder names its activation as a class of torch.nn.modules (vLLM reads it too).
-_ST_ACTIVATIONS = {"Sigmoid": "classify", "Softmax": "classify", "Identity": "identity"}
+_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "classify", "Identity": "identity"}
 
 
 def _activation(hf_config: Any) -> str:
+    """A sentence-transformers CrossEncoder's own activation where the config names one, else by transformers'
+    ``problem_type``, else sigmoid for one output and softmax over several."""
+    st = getattr(hf_config, "sentence_transformers", None)
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if name:
+        short = str(name).rsplit(".", 1)[-1]
+        if short not in _ST_ACTIVATIONS:
+            raise ValueError(f"the classifier's activation {name} is not supported (Sigmoid, Softmax and Identity are)")
+        return _ST_ACTIVATIONS[short]
     problem = getattr(hf_config, "problem_type", None)
     if problem == "regression":
         return "identity"
     if problem == "multi_label_classification":
         return "sigmoid"
-    if problem == "single_label_classification":
-        return "classify"
-    st = getattr(hf_config, "sentence_transformers", None)
-    name = st.get("activation_fn") if isinstance(st, dict) else None
-    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
-    if not name:
-        return "classify"
-    short = str(name).rsplit(".", 1)[-1]
-    if short not in _ST_ACTIVATIONS:
-        raise ValueError(f"the classifier's activation {name} is not supported (supported: Sigmoid, Softmax, Identity)")
-    return _ST_ACTIVATIONS[short]
+    return "classify"
 
 
 def _sentence_transformers(folder: Path, modules_file: Path) -> Pooling:

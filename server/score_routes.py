@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from radixserve.server.cross_encoder import classifier, cross_scores
 from radixserve.server.deps import StateDep, require_api_key
@@ -44,7 +44,11 @@ class _ScoreOptions(_NullIsDefault):
     priority: int | None = None
     user: str | None = None
     # Cross-encoders only (server.cross_encoder):
-    use_activation: bool | None = Field(None, description="Scores through the classifier's activation (default).")
+    use_activation: bool | None = Field(
+        None,
+        validation_alias=AliasChoices("use_activation", "activation"),  # (vLLM's name for it before 0.11)
+        description="Scores through the classifier's activation (default).",
+    )
     instruction: str | None = Field(None, description="The score template's `instruction` variable.")
     chat_template_kwargs: dict[str, Any] | None = None
     max_tokens_per_query: int = Field(0, ge=0, description="Cut each query to this many tokens (0: whole).")
@@ -94,7 +98,11 @@ class ClassifyRequest(_NullIsDefault):
     input: str | list[str] | list[int] | list[list[int]]
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     add_special_tokens: bool = True
-    use_activation: bool | None = Field(None, description="Probabilities through the activation (default).")
+    use_activation: bool | None = Field(
+        None,
+        validation_alias=AliasChoices("use_activation", "activation"),
+        description="Probabilities through the activation (default).",
+    )
     priority: int | None = None
     user: str | None = None
 
@@ -120,7 +128,7 @@ async def _scores(
     if engine.pooling is not None and engine.pooling.labels is not None:
         scores, results, served = await cross_scores(state, request, model, queries, docs, options)
         return scores, _usage(results), served
-    if (
+    if engine.pooling is not None and (
         options.instruction is not None
         or options.chat_template_kwargs
         or options.max_tokens_per_query
@@ -144,7 +152,7 @@ async def _scores(
 
 
 @router.post("/score", include_in_schema=False)
-@router.post("/v1/score", summary="Score text pairs by their embeddings' cosine similarity (vLLM's)")
+@router.post("/v1/score", summary="Score text pairs: a cross-encoder's score, or embeddings' cosine (vLLM's)")
 async def score(body: ScoreRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/v1/score")
     text_1, text_2 = body.sides()

@@ -38,6 +38,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "one": make_tiny_classifier(root / "one", num_labels=1),
         "three": make_tiny_classifier(root / "three", num_labels=3, seed=1),
+        # Gemma 2 soft-caps its language model's logits, never a classifier's: outputs in the hundreds show it.
+        "gemma": make_tiny_classifier(root / "gemma", num_labels=2, seed=3, arch="gemma2", scale=50.0),
         "lm": make_tiny_model(root / "lm", arch="qwen3", tie=False, seed=2),
     }
 
@@ -58,22 +60,24 @@ def _sigmoid(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-@pytest.mark.parametrize("which", ["one", "three"])
+@pytest.mark.parametrize("which", ["one", "three", "gemma"])
 def test_a_sequence_classifier_gives_transformers_logits(folders: dict[str, Path], which: str) -> None:
     """The head's logits at the last token, over chunked prefill, batching and (the second pass) cached prefixes:
     the pairs of one query share its head."""
     engine = _engine(folders[which])
     try:
         assert engine.pooling is not None and engine.pooling.labels == tuple(
-            f"LABEL_{i}" for i in range({"one": 1, "three": 3}[which])
+            f"LABEL_{i}" for i in range({"one": 1, "three": 3, "gemma": 2}[which])
         )
         texts = [QUERY + doc for doc in DOCS]
         first, second = engine.embed(texts), engine.embed(texts)
         for k, text in enumerate(texts):
             want = _hf_logits(folders[which], engine.tokenizer.encode(text))
+            if which == "gemma":
+                assert want.abs().max() > 60  # (where a soft-cap of 30 would show)
             for out in (first[k], second[k]):
                 assert out.error is None
-                torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=0)
+                torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-5)
         assert all(o.cached_tokens > 10 for o in first[1:])  # the query that the first pair computed
         with pytest.raises(ValueError, match="generates no text"):
             engine.generate(QUERY, {"max_new_tokens": 4})
@@ -141,6 +145,27 @@ def test_rerank_and_score_are_the_classifiers_probabilities(
     assert short.json()["data"][0]["score"] == pytest.approx(want_short, abs=1e-5)
 
 
+def test_a_pair_over_the_limit_loses_the_end_of_its_document(
+    server: tuple[Engine, str], folders: dict[str, Path]
+) -> None:
+    """``truncate_prompt_tokens`` cuts the document, never the query (which a cut from the left would lose); a
+    query too long on its own is a 400."""
+    engine, url = server
+    doc = " ".join(DOCS * 4)
+    limit = len(engine.tokenizer.encode(QUERY)) + 6
+    got = httpx.post(url + "/v1/score", json={"text_1": QUERY, "text_2": doc, "truncate_prompt_tokens": limit}).json()
+    assert got["usage"]["prompt_tokens"] <= limit
+    doc_ids = engine.tokenizer.encode(doc, add_special_tokens=False)
+    kept = next(k for k in range(len(doc_ids), 0, -1)
+                if len(engine.tokenizer.encode(QUERY + engine.tokenizer.decode(doc_ids[:k]))) <= limit)  # fmt: skip
+    prompt = engine.tokenizer.encode(QUERY + engine.tokenizer.decode(doc_ids[:kept]))
+    assert prompt[: len(engine.tokenizer.encode(QUERY)) - 1] == engine.tokenizer.encode(QUERY)[:-1]
+    want = _sigmoid(_hf_logits(folders["one"], prompt)[0].item())
+    assert got["data"][0]["score"] == pytest.approx(want, abs=1e-5)
+    too_long = httpx.post(url + "/v1/score", json={"text_1": QUERY, "text_2": doc, "truncate_prompt_tokens": 4})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "query"
+
+
 def test_a_score_template_renders_each_pair(folders: dict[str, Path], tmp_path: Path) -> None:
     """``--chat-template`` is the score template: the pair as a query and a document message, the request's
     ``instruction`` as a template variable."""
@@ -151,6 +176,8 @@ def test_a_score_template_renders_each_pair(folders: dict[str, Path], tmp_path: 
         with ServerThread(create_app(engine, config)) as srv:
             body = {"query": QUERY, "documents": DOCS[:2], "instruction": "Rank the passages"}
             got = httpx.post(srv.url + "/v1/rerank", json=body).json()
+            reserved = httpx.post(srv.url + "/v1/rerank", json={**body, "chat_template_kwargs": {"tokenize": True}})
+            assert reserved.status_code == 400 and "may not set tokenize" in reserved.json()["error"]["message"]
         by_index = {r["index"]: r["relevance_score"] for r in got["results"]}
         tokenizer = AutoTokenizer.from_pretrained(folders["one"])
         for k, doc in enumerate(DOCS[:2]):
@@ -191,12 +218,8 @@ def test_classify_gives_each_labels_probability(folders: dict[str, Path]) -> Non
         ("/v1/rerank", {"query": QUERY, "documents": []}, "documents", "at least one"),
         ("/v1/score", {"text_1": QUERY}, "text_1", "text_1 and text_2"),
         ("/v1/score", {"text_1": QUERY, "text_2": "x", "queries": QUERY, "documents": "x"}, "text_1", "text_1 and"),
-        (
-            "/v1/score",
-            {"text_1": QUERY, "text_2": "x", "chat_template_kwargs": {"tokenize": True}},
-            "chat_template_kwargs",
-            "may not set tokenize",
-        ),
+        ("/v1/score", {"text_1": QUERY, "text_2": "x", "chat_template_kwargs": {"a": 1}}, None, "--chat-template"),
+        ("/v1/score", {"text_1": QUERY, "text_2": "x", "instruction": "rank"}, "instruction", "--chat-template"),
         ("/v1/classify", {"input": []}, "input", "empty list"),
         ("/v1/classify", {"input": "x" * 5000}, "input", "context length"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, None, "generates no text"),
@@ -213,8 +236,15 @@ def test_bad_requests_to_a_classifier_are_clear_400s(
 
 
 def test_a_classifier_is_not_served_as_a_text_model(folders: dict[str, Path]) -> None:
+    """Refused with --runner generate; with --load-format dummy its head is random, of the config's shape."""
     with pytest.raises(ValueError, match="sequence classifier"):
         _engine(folders["one"], runner="generate")
+    engine = _engine(folders["three"], load_format="dummy")
+    try:
+        out = engine.embed([QUERY])[0]
+        assert out.error is None and len(out.embedding) == 3
+    finally:
+        engine.shutdown()
 
 
 def test_an_engine_process_and_the_router_serve_a_classifier(

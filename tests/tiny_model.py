@@ -390,22 +390,24 @@ def make_tiny_embedding(
     return path
 
 
-def make_tiny_classifier(path: Path, *, num_labels: int = 1, seed: int = 0, **model_options: object) -> Path:
-    """A random-weight ``Qwen3ForSequenceClassification`` (a cross-encoder reranker's layout, as
+def make_tiny_classifier(
+    path: Path, *, num_labels: int = 1, seed: int = 0, arch: str = "qwen3", scale: float = 0.5, **model_options: object
+) -> Path:
+    """A random-weight ``*ForSequenceClassification`` of family ``arch`` (a cross-encoder reranker's layout, as
     tomaarsen/Qwen3-Reranker-0.6B-seq-cls is saved): the decoder, and a ``score`` head of ``num_labels`` outputs
-    instead of the vocabulary's; labels named ``LABEL_i``."""
+    (weights of standard deviation ``scale``) instead of the vocabulary's; labels named ``LABEL_i``."""
     import json
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    make_tiny_model(path, arch="qwen3", seed=seed, **model_options)  # type: ignore[arg-type]
+    make_tiny_model(path, arch=arch, seed=seed, **model_options)  # type: ignore[arg-type]
     weights = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if not k.startswith("lm_head.")}
     config = json.loads((path / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed + 1)
-    weights["score.weight"] = torch.randn(num_labels, config["hidden_size"], generator=gen) * 0.5
+    weights["score.weight"] = torch.randn(num_labels, config["hidden_size"], generator=gen) * scale
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config["architectures"] = ["Qwen3ForSequenceClassification"]
+    config["architectures"] = [config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
     config["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
     config["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
     (path / "config.json").write_text(json.dumps(config, indent=2))

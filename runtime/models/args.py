@@ -24,7 +24,6 @@ class ModelArgs:
     qkv_bias: bool
     o_bias: bool
     architecture: str
-    head_size: int | None = None  # the head's outputs where not the vocabulary's (a sequence classifier's labels)
     # Family options; the defaults are plain Llama.
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
     rotary_dim: int = 0  # RoPE rotates the first rotary_dim dims of each head, 0: all (partial_rotary_factor)

@@ -47,10 +47,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 BARE_DECODERS = {arch.removesuffix("ForCausalLM") + "Model": arch for arch in SUPPORTED_ARCHITECTURES}
 _BARE_NAMES = (re.compile(r"^(embed_tokens|layers|norm)\."), r"model.\1.")
 # A sequence classifier (``Qwen3ForSequenceClassification``: a cross-encoder reranker) is its family's decoder
-# with a head of ``num_labels`` outputs, ``score``, in place of the vocabulary's: loaded as ``lm_head``. With
-# vLLM's ``classifier_from_token`` the head is the language model's own (``runtime.pooling.read_classifier``).
+# with a head of ``num_labels`` outputs, ``score``, in place of the vocabulary's; the head is the loader's
+# (``runtime.classifier_head``), as is the language model's own head read at tokens (vLLM's classifier_from_token).
 CLASSIFIERS = {arch.removesuffix("ForCausalLM") + "ForSequenceClassification": arch for arch in SUPPORTED_ARCHITECTURES}
-_SCORE_HEAD = (re.compile(r"^score\."), "lm_head.")
 
 
 RopeSpec = tuple[float, dict[str, Any] | None]  # (theta, scaling)
@@ -104,7 +103,6 @@ _REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 def model_args(cfg: Any) -> ModelArgs:
     archs = list(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     arch = BARE_DECODERS.get(archs[0], CLASSIFIERS.get(archs[0], archs[0]))
-    head_size = classifier_head(cfg) if archs[0] in CLASSIFIERS else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"architecture {arch!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
@@ -142,8 +140,7 @@ def model_args(cfg: Any) -> ModelArgs:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=head_size is None and bool(getattr(cfg, "tie_word_embeddings", gemma)),
-        head_size=head_size,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", gemma)),
         qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
         o_bias=llama_bias,
         architecture=arch,
@@ -162,15 +159,13 @@ def model_args(cfg: Any) -> ModelArgs:
     )
 
 
-def classifier_head(cfg: Any) -> int | None:
-    """A sequence classifier's head outputs (transformers' count: ``id2label``'s entries, else ``num_labels``, else
-    2); None where ``classifier_from_token`` makes the language model's head the classifier's."""
-    if getattr(cfg, "classifier_from_token", None):
-        return None
+def classifier_head(cfg: Any) -> int:
+    """A sequence classifier's outputs, as transformers counts them: ``num_labels`` where the config (or
+    ``--hf-overrides``) sets it, else ``id2label``'s entries, else 2."""
+    if isinstance(getattr(cfg, "num_labels", None), int):
+        return int(cfg.num_labels)
     id2label = getattr(cfg, "id2label", None)
-    if isinstance(id2label, dict) and id2label:
-        return len(id2label)
-    return int(getattr(cfg, "num_labels", None) or 2)
+    return len(id2label) if isinstance(id2label, dict) and id2label else 2
 
 
 def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
@@ -203,7 +198,7 @@ def _moe(cfg: Any, arch: str, layers: int) -> dict[str, Any]:
 
 def renamer(arch: str) -> Callable[[str], str]:
     """A checkpoint tensor's name -> the shared decoder's (``CHECKPOINT_RENAMES``)."""
-    renames = [_BARE_NAMES, _SCORE_HEAD]
+    renames = [_BARE_NAMES]
     renames += [(re.compile(pattern), repl) for pattern, repl in CHECKPOINT_RENAMES.get(arch, ())]
 
     def rename(name: str) -> str:

@@ -307,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = LlamaModel(args, dtype)
-        self.lm_head = Linear(args.hidden_size, args.head_size or args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
