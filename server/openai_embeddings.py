@@ -26,7 +26,7 @@ from radixserve.server.engine_client import RequestGroup, Result
 from radixserve.server.errors import APIError, bad_request, request_failed
 from radixserve.server.extra_fields import check_extra_fields
 from radixserve.server.params import truncate_prompt
-from radixserve.server.protocol import EmbeddingRequest
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage, EmbeddingRequest, PoolingInput
 from radixserve.server.state import ServerState
 from radixserve.server.tokens import item_ids, prompt_items
 
@@ -36,12 +36,49 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per call
 WAVE = 256  # a call's inputs in the engine at once (twice that at most: ``_run_in_waves``)
 
 
-def _inputs(body: EmbeddingRequest, tokenizer: Any, vocab_size: int) -> list[list[int]]:
-    """Token ids per input: a text, texts, token ids, or lists of them (OpenAI's four shapes)."""
-    items = prompt_items(body.input, "input")
-    if len(items) > MAX_INPUTS:
-        raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
-    return [item_ids(x, k, tokenizer, vocab_size, body.add_special_tokens, "input") for k, x in enumerate(items)]
+async def pooling_inputs(body: PoolingInput, state: ServerState) -> list[list[int]]:
+    """Token ids per input: a text, texts, token ids, or lists of them (OpenAI's four shapes), or each chat
+    conversation (``messages``, or one as ``input``) rendered by the chat template, as vLLM's chat form."""
+    engine = state.ready_engine()
+    chats = _conversations(body)
+    if chats is None:
+        items = prompt_items(body.input, "input")
+        if len(items) > MAX_INPUTS:
+            raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
+        special = body.add_special_tokens is not False
+        return [item_ids(x, k, engine.tokenizer, engine.vocab_size, special, "input") for k, x in enumerate(items)]
+    if len(chats) > MAX_INPUTS:
+        raise bad_request(f"messages has {len(chats)} conversations; at most {MAX_INPUTS} per request", "messages")
+
+    def render() -> list[list[int]]:  # (templates over thousands of conversations: off the event loop)
+        prompts = []
+        for k, conversation in enumerate(chats):
+            chat = ChatCompletionRequest(messages=conversation, add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message,
+                                         chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
+            text, _ = state.render_chat(chat)
+            prompts.append(item_ids(text, k, engine.tokenizer, engine.vocab_size, bool(body.add_special_tokens),
+                                    "messages"))  # fmt: skip
+        return prompts
+
+    return await asyncio.to_thread(render)
+
+
+def _conversations(body: PoolingInput) -> list[list[ChatMessage]] | None:
+    """The request's chat conversations, or None where it sends plain ``input``."""
+    if body.messages is not None:
+        if body.input is not None:
+            raise bad_request("send input or messages, not both", "messages")
+        convs = [body.messages] if body.messages and isinstance(body.messages[0], ChatMessage) else body.messages
+    elif isinstance(body.input, list) and body.input and isinstance(body.input[0], ChatMessage):
+        convs = [body.input]
+    elif body.input is None:
+        raise bad_request("input (or messages) is required", "input")
+    else:
+        return None
+    if not convs or not all(convs):
+        raise bad_request("messages must hold at least one message (in each conversation)", "messages")
+    return convs  # type: ignore[return-value]
 
 
 @router.post("/v1/embeddings", summary="Create embeddings (OpenAI-compatible; --runner pooling)")
@@ -50,8 +87,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: StateDep):
     engine = state.ready_engine()
     lora = state.check_model(body.model)
     pooling = _pooling(engine, body.dimensions, body.normalize)
-    prompts = _inputs(body, engine.tokenizer, engine.vocab_size)
-    prompts = fit_prompts(prompts, body.truncate_prompt_tokens, engine, "input")
+    prompts = fit_prompts(await pooling_inputs(body, state), body.truncate_prompt_tokens, engine, "input")
     results = await embed(state, request, prompts, pooling, lora, body.priority, body.cache_salt)
     data = [_item(k, res, body.encoding_format) for k, res in enumerate(results)]
     prompt_tokens = sum(r.prompt_tokens for r in results)

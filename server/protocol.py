@@ -217,19 +217,32 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
-class EmbeddingRequest(_NullIsDefault):
+class PoolingInput(_NullIsDefault):
+    """A pooling request's prompts (embeddings, classification): OpenAI's four ``input`` shapes, or vLLM's chat
+    form, conversations rendered by the chat template: ``messages`` (one conversation, or a list of them), or a
+    conversation as ``input``."""
+
+    input: str | list[str] | list[int] | list[list[int]] | list[ChatMessage] | None = None
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    add_special_tokens: bool | None = Field(
+        None, description="Tokenize with the model's special tokens (default: true for texts, false for chats)."
+    )
+    add_generation_prompt: bool = Field(False, description="Chats: end with the template's assistant header.")
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class EmbeddingRequest(PoolingInput):
     """OpenAI's embeddings request, with vLLM's extensions (``truncate_prompt_tokens``, ``add_special_tokens``,
-    ``normalize``, ``priority``, ``cache_salt``)."""
+    ``normalize``, ``priority``, ``cache_salt``, chat ``messages``)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Matryoshka models: keep the first N values.")
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="Keep each input's last N tokens (-1: as many as fit)."
     )
-    add_special_tokens: bool = Field(True, description="Tokenize texts with the model's special tokens.")
     normalize: bool | None = Field(None, description="L2-normalize (default: as the model's recipe says).")
     priority: int | None = None
     cache_salt: str | None = None

@@ -31,9 +31,8 @@ from radixserve.server.cross_encoder import classifier, cross_scores
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
-from radixserve.server.openai_embeddings import MAX_INPUTS, embed, embed_texts, fit_prompts, vector_of
-from radixserve.server.protocol import _NullIsDefault
-from radixserve.server.tokens import item_ids, prompt_items
+from radixserve.server.openai_embeddings import MAX_INPUTS, embed, embed_texts, fit_prompts, pooling_inputs, vector_of
+from radixserve.server.protocol import PoolingInput, _NullIsDefault
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Scores"])
 
@@ -93,11 +92,9 @@ class RerankRequest(_ScoreOptions):
     return_documents: bool = True
 
 
-class ClassifyRequest(_NullIsDefault):
+class ClassifyRequest(PoolingInput):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    add_special_tokens: bool = True
     use_activation: bool | None = Field(
         None,
         validation_alias=AliasChoices("use_activation", "activation"),
@@ -209,12 +206,7 @@ async def classify(body: ClassifyRequest, request: Request, state: StateDep):
     engine = state.ready_engine()
     pooling = classifier(engine)
     lora = state.check_model(body.model)
-    items = prompt_items(body.input, "input")
-    if len(items) > MAX_INPUTS:
-        raise bad_request(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
-    prompts = [item_ids(x, k, engine.tokenizer, engine.vocab_size, body.add_special_tokens, "input")
-               for k, x in enumerate(items)]  # fmt: skip
-    prompts = fit_prompts(prompts, body.truncate_prompt_tokens, engine, "input")
+    prompts = fit_prompts(await pooling_inputs(body, state), body.truncate_prompt_tokens, engine, "input")
     results = await embed(state, request, prompts, pooling.default, lora, body.priority, None)
     data = []
     for k, res in enumerate(results):

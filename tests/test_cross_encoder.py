@@ -205,6 +205,12 @@ def test_classify_gives_each_labels_probability(folders: dict[str, Path]) -> Non
             assert got["usage"]["prompt_tokens"] == sum(map(len, ids)) and got["model"] == "tiny-cls"
             raw = httpx.post(srv.url + "/v1/classify", json={"input": ids[0], "use_activation": False}).json()
             assert raw["data"][0]["probs"] == pytest.approx(_hf_logits(folders["three"], ids[0]).tolist(), abs=2e-5)
+            chat = [{"role": "user", "content": DOCS[0]}]
+            text = engine.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+            chat_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            want = torch.softmax(_hf_logits(folders["three"], chat_ids), dim=0)
+            got_chat = httpx.post(srv.url + "/v1/classify", json={"messages": chat}).json()
+            assert got_chat["data"][0]["probs"] == pytest.approx(want.tolist(), abs=1e-5)
             refused = httpx.post(srv.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS})
             assert refused.status_code == 400 and "/classify" in refused.json()["error"]["message"]
     finally:

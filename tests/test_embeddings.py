@@ -151,6 +151,31 @@ def test_bad_embedding_requests_are_clear_400s(
     assert words in error["message"] and (param is None or error["param"] == param), error
 
 
+def test_chat_style_inputs_are_rendered_by_the_chat_template(server: tuple[Engine, str]) -> None:
+    """vLLM's chat form: ``messages`` (one conversation or several) or a conversation as ``input``, rendered by the
+    template without a generation prompt and tokenized without special tokens (its defaults)."""
+    engine, url = server
+    conv = [{"role": "system", "content": "Represent the query."}, {"role": "user", "content": TEXTS[0]}]
+
+    def want(messages: list[dict]) -> list[float]:
+        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return engine.embed([engine.tokenizer.encode(text, add_special_tokens=False)])[0].embedding
+
+    one = httpx.post(url + "/v1/embeddings", json={"messages": conv}).json()
+    assert len(one["data"]) == 1 and one["data"][0]["embedding"] == pytest.approx(want(conv), abs=1e-7)
+    many = httpx.post(url + "/v1/embeddings", json={"messages": [conv, conv[1:]]}).json()
+    assert [d["embedding"] for d in many["data"]] == [pytest.approx(want(conv), abs=1e-7),
+                                                      pytest.approx(want(conv[1:]), abs=1e-7)]  # fmt: skip
+    as_input = httpx.post(url + "/v1/embeddings", json={"input": conv}).json()
+    assert as_input["data"][0]["embedding"] == pytest.approx(want(conv), abs=1e-7)
+    for body, words in (({"messages": []}, "at least one message"), ({"messages": [conv, []]}, "at least one"),
+                        ({"input": "x", "messages": conv}, "not both"), ({}, "input (or messages) is required"),
+                        ({"messages": [{"role": "user"}]}, "needs content"),
+                        ({"messages": conv, "continue_final_message": True}, "assistant")):  # fmt: skip
+        resp = httpx.post(url + "/v1/embeddings", json=body)
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], (body, resp.text)
+
+
 def test_truncation_and_generation_on_an_embedding_server(server: tuple[Engine, str]) -> None:
     engine, url = server
     ids = engine.tokenizer.encode("x" * 5000)

@@ -95,6 +95,9 @@ def routing_text(path: str, body: Any) -> str:
         if path.endswith("/completions"):
             return _prompt(body.get("prompt"))
         if path.endswith(("/embeddings", "/classify")):
+            messages = body.get("messages")
+            if isinstance(messages, list) and messages and isinstance(messages[0], dict):  # one chat conversation
+                return chat_text(body)
             return _prompt(body.get("input"))
         if path.endswith("/rerank"):
             return _prompt(body.get("query"))
