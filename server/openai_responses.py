@@ -151,7 +151,11 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         return copy.deepcopy(run.snapshot())
     if body.stream:
         return SSEResponse(_stream(turn, state), on_error=lambda exc: [error_event(exc, 0)])
-    choice = (await collect(turn.run, request))[0]
+    state.foreground.add(turn.id)
+    try:
+        choice = (await collect(turn.run, request))[0]
+    finally:
+        state.foreground.discard(turn.id)
     items = output_items(choice, _logprobs(turn, choice.result.logprobs, state))
     response = _finish(turn, state, choice.finish_reason, choice.result, items)
     _store(turn, state, response)
@@ -191,8 +195,8 @@ async def cancel_response(response_id: str, state: StateDep):
         await run.cancel()
         assert run.final is not None
         return run.final
-    entry = _stored(response_id, state)
-    if not entry.response.get("background"):
+    entry = None if response_id in state.foreground else _stored(response_id, state)  # (running: not stored yet)
+    if entry is None or not entry.response.get("background"):
         raise APIError(
             400,
             f"response {response_id!r} was not created with background: true; only background responses can be "
@@ -338,10 +342,14 @@ def _abandon(turn: _Turn, state: ServerState) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ streaming
 async def _stream(turn: _Turn, state: ServerState) -> AsyncIterator[str]:
     # Closing this stream closes the events at once (their ``finally`` aborts the request), not at collection.
-    async with contextlib.aclosing(_turn_events(turn, state, background=False)) as bursts:
-        async for lines in bursts:
-            for line in lines:
-                yield line
+    state.foreground.add(turn.id)
+    try:
+        async with contextlib.aclosing(_turn_events(turn, state, background=False)) as bursts:
+            async for lines in bursts:
+                for line in lines:
+                    yield line
+    finally:
+        state.foreground.discard(turn.id)
 
 
 async def _turn_events(turn: _Turn, state: ServerState, background: bool) -> AsyncIterator[list[str]]:

@@ -47,6 +47,7 @@ class ServerState:
         self.reasoning_format = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
         self.responses = ResponseStore(config.responses_store_size)
         self.background = BackgroundRuns()  # background responses still running (only the event loop's)
+        self.foreground: set[str] = set()  # the ids of responses running for their caller (not background)
         self.metrics = Metrics(self.served_name)
         self.inflight: dict[str, RequestGroup] = {}
         self.created = int(time.time())

@@ -352,6 +352,15 @@ def test_only_background_responses_are_cancelled_or_streamed_again(server: Serve
         list(client.responses.retrieve(_settle(client, polled.id).id, stream=True))
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_missing")
+    # A response running for its caller (streamed here) is not stored yet: cancelling it is refused as OpenAI
+    # refuses it (400), not "not found".
+    stream = client.responses.create(model=MODEL, input=STORY, max_output_tokens=200, temperature=0, stream=True)
+    running = next(iter(stream)).response.id
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.cancel(running)
+    assert "background" in err.value.body["message"]
+    stream.close()
+    _idle(server)
 
 
 def test_a_background_response_running_at_shutdown_ends_incomplete_and_stored(engine: Engine) -> None:
