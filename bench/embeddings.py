@@ -27,7 +27,6 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import _prompt_ids, format_table
-from bench.peers import SERVED, radixserve, vllm
+from bench.peers import SERVED, alternating_rounds, radixserve, vllm
 from bench.real_models import layer_tensors
 from radixserve.runtime import envs
 from radixserve.runtime.model_source import resolve_model
@@ -194,22 +193,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = p.parse_args(argv)
     folder = write_model()
     wls = workloads(load_tokenizer(folder))
-    rounds: list[dict[str, dict[str, Result]]] = []
-    for i in range(args.rounds):
-        print(f"round {i + 1} of {args.rounds}", flush=True)
-        results: dict[str, dict[str, Result]] = {}
-        for engine in args.engines.split(","):
-            if engine == "radixserve":
-                server = radixserve(str(folder), f"--runner pooling --dtype bfloat16 {args.radixserve_args}")
-            elif engine == "vllm":
-                server = vllm(folder, f"--runner pooling {args.vllm_args}")
-            else:
-                raise SystemExit(f"unknown engine {engine!r}")
-            try:
-                results[engine] = bench_engine(engine, server, wls)
-            except (RuntimeError, OSError) as exc:
-                print(f"{engine} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        rounds.append(results)
+
+    def start(engine: str) -> object:
+        if engine == "radixserve":
+            return radixserve(str(folder), f"--runner pooling --dtype bfloat16 {args.radixserve_args}")
+        if engine == "vllm":
+            return vllm(folder, f"--runner pooling {args.vllm_args}")
+        raise SystemExit(f"unknown engine {engine!r}")
+
+    engines = args.engines.split(",")
+    rounds = alternating_rounds(engines, args.rounds, start, lambda engine, server: bench_engine(engine, server, wls))
     rows = []
     for wl in wls:
         for engine in args.engines.split(","):

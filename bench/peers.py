@@ -24,9 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 from bench import llamacpp_peer as llama
 from bench.common import format_table, safetensors_folder, stop_process, wait_until_healthy
@@ -37,6 +38,7 @@ from radixserve.runtime.weights import load_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
 SERVED = "bench-model"
+T = TypeVar("T")
 
 
 @contextmanager
@@ -78,6 +80,24 @@ def llama_server(gguf: Path, extra: str, parallel: int = 16, ctx_per_slot: int =
     kind = llama.ServerKind("llama-server", (binary.stdout.strip().splitlines()[-1],))
     argv = llama.server_argv(kind, gguf, port, os.cpu_count() or 2, parallel, ctx_per_slot)
     return _process([*argv, "--alias", SERVED, *shlex.split(extra)], port, "llama-server")
+
+
+def alternating_rounds(
+    engines: Sequence[str], rounds: int, start: Callable[[str], Any], run: Callable[[str, Any], T]
+) -> list[dict[str, T]]:
+    """``run(engine, start(engine))`` for every engine, ``rounds`` times, alternating (one engine busy at a time,
+    so drift hits all alike); an engine that fails to start or to run is reported and left out of its round."""
+    out: list[dict[str, T]] = []
+    for i in range(rounds):
+        print(f"round {i + 1} of {rounds}", flush=True)
+        results: dict[str, T] = {}
+        for engine in engines:
+            try:
+                results[engine] = run(engine, start(engine))
+            except (RuntimeError, OSError) as exc:
+                print(f"{engine} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        out.append(results)
+    return out
 
 
 def _warm_up(url: str, tokenizer: object, model: str = SERVED) -> None:
