@@ -9,7 +9,8 @@ prompt's last row (``ModelRunner``). It is one of:
   taken in float32 before any rounding, as vLLM builds it.
 
 Taking the rows as the checkpoint streams by means the vocabulary's head is never built (the model is loaded with
-its head tied, as an embedding model's is) and a quantized head's rows are dequantized exactly.
+its head tied, as an embedding model's is), and the rows are taken before ``--quantization`` rounds them (a
+checkpoint's own blocks are dequantized as the loader reads them).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class HeadCapture:
     def capture(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         ids = list(self.pooling.tokens)
         for name, tensor in weights:
-            if not ids and name == SCORE:
-                self.rows = _dense(tensor).clone()
-                continue  # (the model has no such parameter)
+            if name == SCORE:  # (the model has no such parameter; with tokens, the vocabulary's head is read)
+                if not ids:
+                    self.rows = _dense(tensor).clone()
+                continue
             if ids and name in HEADS:
                 if not self.tied:
                     self.rows = _rows(tensor, ids)

@@ -33,7 +33,7 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 # A waiting request that shares at least this many not-yet-cached tokens with one admitted in the same step, and
 # at least half of what it would compute, waits a step so the shared part is computed once and then hit in the
 # cache. (Deferring for a short shared head, like a chat template's default system prompt, costs a whole step of
-# time to first token; an embedding or a score, which generates nothing, always waits.)
+# time to first token; an embedding or a score read at the last token, which generates nothing, always waits.)
 IN_BATCH_PREFIX_DEFER = 32
 # Beyond this many waiting requests, longest-prefix ordering costs more than it saves.
 LPM_MAX_QUEUE = 256
@@ -310,8 +310,10 @@ class Scheduler:
             if self.cache.tree is not None and in_flight:
                 cached = self.cache.peek_prefix_len(tokens)
                 shared = max(_common_prefix(tokens, other) for other in in_flight) - cached
-                # (An embedding or a score has no first token to hurry: it always waits for a shared head.)
-                worth = 2 * shared >= len(tokens) - cached or req.params.pooling is not None
+                # (An embedding or a score read at the last token has no first token to hurry: it always waits for
+                # a shared head. Mean or first-token pooling takes no cached prefix: waiting would gain it nothing.)
+                pooling = req.params.pooling
+                worth = 2 * shared >= len(tokens) - cached or (pooling is not None and not pooling.needs_whole_prompt)
                 if shared >= IN_BATCH_PREFIX_DEFER and worth:
                     deferred = req.params.priority if deferred is None else deferred
                     continue

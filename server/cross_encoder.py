@@ -53,7 +53,9 @@ def _shorten(tokenizer: Any, text: str, limit: int) -> str:
     if limit <= 0:
         return text
     ids = encode(tokenizer, text, add_special_tokens=False)
-    return text if len(ids) <= limit else tokenizer.decode(ids[:limit]).rstrip("\ufffd")
+    if len(ids) <= limit:
+        return text
+    return tokenizer.decode(ids[:limit], clean_up_tokenization_spaces=False).rstrip("\ufffd")
 
 
 class PairPrompts:

@@ -117,6 +117,12 @@ async def _start(body: ResponsesRequest, state: ServerState) -> _Turn:
                 "its status is final (GET /v1/responses/{id}), or cancel it",
                 param="previous_response_id",
             )
+        if previous is None and body.previous_response_id in state.foreground:
+            raise APIError(
+                400,
+                f"previous response {body.previous_response_id!r} is still running: send this turn once it has ended",
+                param="previous_response_id",
+            )
         if previous is None:
             raise APIError(
                 400,
@@ -208,6 +214,12 @@ async def cancel_response(response_id: str, state: StateDep):
 
 @router.delete("/v1/responses/{response_id}", summary="Delete a stored response (a running one is cancelled)")
 async def delete_response(response_id: str, state: StateDep):
+    if response_id in state.foreground:  # (it would be stored when it ends: deleted, it would come back)
+        raise APIError(
+            400,
+            f"response {response_id!r} is still running for its caller; delete it once it has ended",
+            param="response_id",
+        )
     run = state.background.get(response_id)
     if run is not None:
         await run.cancel()

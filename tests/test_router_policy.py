@@ -229,6 +229,11 @@ def test_routing_text_prefix_property() -> None:
     assert select_ == program
     assert routing_text("/v1/completions", {"prompt": "abc"}) == "abc"
     assert routing_text("/v1/embeddings", {"input": ["Instruct: x\nQuery: a", "b"]}).startswith("Instruct: x\nQuery:")
+    # vLLM's chat form of a pooling request routes by its (first) conversation, whichever field carries it.
+    chat = routing_text("/v1/chat/completions", {"messages": [sys_msg]})
+    assert routing_text("/v1/embeddings", {"messages": [sys_msg]}) == chat
+    assert routing_text("/v1/classify", {"messages": [[sys_msg], [{"role": "user", "content": "b"}]]}) == chat
+    assert routing_text("/v1/embeddings", {"input": [sys_msg]}) == chat
     assert routing_text("/v1/completions", {"prompt": [5, 6]}) == "5,6,"
     assert routing_text("/v1/completions", {"prompt": ["ab", "cd"]}) == "ab\x1ecd"
     tools = routing_text("/v1/chat/completions", {"messages": [sys_msg], "tools": [{"type": "function"}]})

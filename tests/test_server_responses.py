@@ -359,6 +359,12 @@ def test_only_background_responses_are_cancelled_or_streamed_again(server: Serve
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.cancel(running)
     assert "background" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.delete(running)
+    assert "still running" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="and then?", previous_response_id=running, max_output_tokens=2)
+    assert "still running" in err.value.body["message"]
     stream.close()
     _idle(server)
 

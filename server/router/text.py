@@ -95,9 +95,13 @@ def routing_text(path: str, body: Any) -> str:
         if path.endswith("/completions"):
             return _prompt(body.get("prompt"))
         if path.endswith(("/embeddings", "/classify")):
-            messages = body.get("messages")
-            if isinstance(messages, list) and messages and isinstance(messages[0], dict):  # one chat conversation
-                return chat_text(body)
+            chat = body.get("messages")
+            if chat is None and isinstance(body.get("input"), list) and body["input"]:
+                chat = body["input"] if isinstance(body["input"][0], dict) else None  # a conversation as input
+            if isinstance(chat, list) and chat and isinstance(chat[0], list):  # several: routed by the first
+                chat = chat[0]
+            if isinstance(chat, list) and chat and isinstance(chat[0], dict):
+                return chat_text({"messages": chat})
             return _prompt(body.get("input"))
         if path.endswith("/rerank"):
             return _prompt(body.get("query"))
