@@ -1,5 +1,7 @@
-"""Find tool calls in a model's answer: ``<tool_call>{json}</tool_call>`` blocks (Qwen, Hermes) or an answer
-that is just a JSON object ``{"name": ..., "arguments": ...}`` (or a list of them).
+"""Find tool calls in a model's answer: ``<tool_call>{json}</tool_call>`` blocks (Qwen, Hermes), an answer that is
+just a JSON object ``{"name": ..., "arguments": ...}`` or a list of them (Llama 3.x, Mistral), or an answer that is
+a Python list of calls ``[get_weather(city="Paris"), add(a=1, b=2)]`` (the pythonic form of Llama 3.2 and Llama 4,
+vLLM's ``pythonic`` parser: keyword arguments whose values are Python literals, read without evaluating anything).
 
 A call counts only if it names one of the tools offered and its JSON parses; anything else stays content, so a
 model that merely talks about a function (or writes JSON for another reason) is never turned into a call.
@@ -7,6 +9,7 @@ model that merely talks about a function (or writes JSON for another reason) is 
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import uuid
@@ -102,14 +105,39 @@ def _blocks(text: str, tool_names: set[str]) -> tuple[str, list[ParsedToolCall]]
     return "".join(outside), calls
 
 
+def _pythonic(text: str, names: set[str]) -> list[ParsedToolCall] | None:
+    """The calls of a pythonic answer (the module's docstring), or None where ``text`` is not a non-empty list of
+    calls to offered tools with literal keyword arguments that JSON can carry (no NaN, sets or bytes)."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(node, ast.List) or not node.elts:
+        return None
+    calls = []
+    for call in node.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in names):
+            return None
+        if call.args or any(kw.arg is None for kw in call.keywords):  # positional or **kwargs: not a pythonic call
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+            text_args = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+        calls.append(ParsedToolCall(name=call.func.id, arguments=text_args, id=new_call_id()))
+    return calls
+
+
 def parse_tool_calls(
     text: str, tool_names: set[str], *, bare_json: bool = True
 ) -> tuple[str | None, list[ParsedToolCall]]:
     """Split ``text`` into (content, tool calls). Content is None when the answer was only tool calls.
 
     With no valid call found, returns ``(text, [])`` unchanged. ``bare_json=False`` reads only ``<tool_call>``
-    blocks: under the union grammar (tools + a response_format) a bare JSON object is the answer, checked
-    against the answer's schema only, so it must not become a call whose arguments nothing validated.
+    blocks (no bare JSON, no pythonic list): under the union grammar (tools + a response_format) a bare JSON
+    object is the answer, checked against the answer's schema only, so it must not become a call whose arguments
+    nothing validated.
     """
     if OPEN_TAG in text:
         found = _blocks(text, tool_names)
@@ -126,6 +154,9 @@ def parse_tool_calls(
         calls = [_as_call(o, tool_names) for o in objs]
         if objs and all(c is not None for c in calls):
             return None, [c for c in calls if c is not None]
+        pythonic = _pythonic(stripped, tool_names) if obj is None and stripped.startswith("[") else None
+        if pythonic:
+            return None, pythonic
     return text, []
 
 

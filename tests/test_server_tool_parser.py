@@ -72,6 +72,45 @@ def test_not_a_call_stays_content(text: str) -> None:
     assert parse_tool_calls(text, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ('[get_weather(city="Paris")]', [("get_weather", {"city": "Paris"})]),
+        (
+            " [get_weather(city='Oslo', days=3, metric=True, unit=None), add(a=1.5, b=-2)]\n",
+            [("get_weather", {"city": "Oslo", "days": 3, "metric": True, "unit": None}), ("add", {"a": 1.5, "b": -2})],
+        ),
+        ("[add(a=[1, 2], b={'x': (3, 4)})]", [("add", {"a": [1, 2], "b": {"x": [3, 4]}})]),
+        ("[add()]", [("add", {})]),
+    ],
+)
+def test_pythonic_calls(text: str, want: list) -> None:
+    """Llama 3.2's and Llama 4's pythonic form (vLLM's pythonic parser): a list of calls with literal arguments."""
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content is None and [(c.name, args(c)) for c in calls] == want
+    assert parse_tool_calls(text, NAMES, bare_json=False) == (text, [])  # (not under the union grammar)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[unknown(a=1)]",  # not an offered tool
+        "[add(1, 2)]",  # positional arguments
+        "[add(a=b)]",  # a name, not a literal: nothing is evaluated
+        "[add(a=__import__('os').getcwd())]",
+        "[add(a=float('nan'))]",
+        "[add(a={1, 2})]",  # a set: not JSON
+        "[add(**{'a': 1})]",
+        "[get_weather(city='Paris'), 'and more']",
+        "[]",
+        "[get_weather(city='Paris')",  # unterminated
+        "[1, 2, 3]",
+    ],
+)
+def test_not_a_pythonic_call_stays_content(text: str) -> None:
+    assert parse_tool_calls(text, NAMES) == (text, [])
+
+
 def stream(pieces: list[str]) -> tuple[str, list, list[str]]:
     filt = ToolCallStream(NAMES)
     sent = [filt.feed(p) for p in pieces]
@@ -115,6 +154,15 @@ def test_stream_content_equals_whole(pieces: list[str]) -> None:
     whole, whole_calls = parse_tool_calls("".join(pieces), NAMES)
     assert text == (whole or "") and [c.arguments for c in calls] == [c.arguments for c in whole_calls]
     assert calls
+
+
+def test_stream_holds_a_pythonic_list_then_parses_it() -> None:
+    text, calls, sent = stream(["[get_wea", "ther(city=", "'Paris')]"])
+    assert (
+        sent == ["", "", ""]
+        and text == ""
+        and [(c.name, args(c)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    )
 
 
 def test_stream_lookalike_tag_is_released() -> None:
