@@ -245,6 +245,9 @@ class Scheduler:
     def _held_prefix(req: Req, kept: list[Req]) -> int:
         """Tokens of ``req``'s prompt that a request in ``kept`` holds in the tree (locked: not in ``available()``,
         and admission shares them rather than allocating)."""
+        pooling = req.params.pooling
+        if pooling is not None and pooling.needs_whole_prompt:  # (mean or first-token pooling takes no prefix)
+            return 0
         tokens = req.cache_ids
         shared = (min(_common_prefix(tokens, r.cache_ids), len(r.slots), len(r.prompt_ids)) for r in kept)
         return min(max(shared, default=0), len(tokens) - 1)  # (its last token is always computed)

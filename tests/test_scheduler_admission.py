@@ -207,6 +207,23 @@ def test_priority_preemption_counts_shared_prefixes_once() -> None:
     assert sched.num_retractions == 0 and {r.rid for r in sched.running} == {"head", "low3", "low4"}
 
 
+def test_priority_preemption_counts_no_shared_prefix_for_an_embedding_that_pools_every_token() -> None:
+    """Mean pooling reads every prompt token's hidden state, so it takes no cached prefix: the head another request
+    holds does not make room for it, and the request of a worse priority is retracted."""
+    from radixserve.runtime.pooling import Pooling
+
+    system = _prompt(0, 200)
+    sched = _scheduler(500, schedule_policy="priority", chunked_prefill_size=2048)
+    sched.add(_req("head", system, 0, max_new=1))
+    sched.add(_req("low", _prompt(3, 199), 1, max_new=1))
+    for _ in range(2):
+        _step(sched)
+    mean = SamplingParams(max_new_tokens=0, priority=0, pooling=Pooling("mean"))
+    sched.add(Req("urgent", [*system, *_prompt(5, 20)], mean))  # 220 new slots; 99 free
+    _step(sched)
+    assert sched.num_retractions == 1 and {r.rid for r in sched.running} >= {"urgent"}
+
+
 def test_priority_preemption_makes_room_for_the_request_admission_tries_first() -> None:
     """Admission tries the longest cached prefix first among equal priorities: preemption judges that request,
     not the first to arrive (which could not fit anyway, and nothing was retracted for either)."""
