@@ -85,9 +85,13 @@ class ScoreRequest(_ScoreOptions):
         return given[0]
 
 
+class RerankDocument(_NullIsDefault):
+    text: str
+
+
 class RerankRequest(_ScoreOptions):
     query: str
-    documents: list[str]
+    documents: list[str | RerankDocument]  # (Cohere's v1 and Jina's clients may send {"text": ...} objects)
     top_n: int | None = Field(None, ge=0, description="How many of the best documents to return (0 or none: all).")
     return_documents: bool = True
 
@@ -185,8 +189,9 @@ async def rerank(body: RerankRequest, request: Request, state: StateDep):
         raise bad_request("documents must hold at least one text", "documents")
     if len(body.documents) > MAX_INPUTS:
         raise bad_request(f"{len(body.documents)} documents; at most {MAX_INPUTS} per request", "documents")
-    queries = [body.query] * len(body.documents)
-    scores, usage, served = await _scores(state, request, body.model, queries, body.documents, body, "documents")
+    docs = [d if isinstance(d, str) else d.text for d in body.documents]
+    queries = [body.query] * len(docs)
+    scores, usage, served = await _scores(state, request, body.model, queries, docs, body, "documents")
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[: body.top_n]
@@ -194,7 +199,7 @@ async def rerank(body: RerankRequest, request: Request, state: StateDep):
     for i in order:
         item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
         if body.return_documents:
-            item["document"] = {"text": body.documents[i]}
+            item["document"] = {"text": docs[i]}
         results.append(item)
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": served, "usage": usage, "results": results}
 

@@ -133,6 +133,9 @@ def test_rerank_and_score_are_the_classifiers_probabilities(
     assert ranked["results"][0]["document"] == {"text": DOCS[order[0]]}
     assert ranked["usage"]["total_tokens"] == sum(map(len, ids))
     assert ranked["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 10
+    as_objects = [{"text": d} for d in DOCS]  # (Cohere's v1 and Jina's document objects)
+    same = httpx.post(url + "/v1/rerank", json={"query": QUERY, "documents": as_objects}).json()
+    assert [r["relevance_score"] for r in same["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
     scored = httpx.post(url + "/v1/score", json={"queries": QUERY, "documents": DOCS}).json()
     assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-5)
     pairs = httpx.post(url + "/score", json={"text_1": [QUERY, QUERY], "text_2": DOCS[:2]}).json()
