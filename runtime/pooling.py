@@ -17,10 +17,11 @@ prefill and batching with other requests are the ordinary code path:
 
 A classifier (a cross-encoder reranker) is served the same way: its output is the head's logits at the last
 token instead of the hidden state (``Pooling.classify``). The head is a ``*ForSequenceClassification``
-checkpoint's ``score`` (``num_labels`` outputs, loaded as the model's head), or, with vLLM's
-``classifier_from_token`` in the config (``--hf-overrides``), a language model's own head read at those tokens:
-Qwen3-Reranker answers "yes" or "no", and its score is sigmoid(logit yes - logit no) (``two_way``), which is the
-softmax of the pair. The activation (``PoolingModel.activation``) is the front end's to apply.
+checkpoint's ``score`` (``num_labels`` outputs), or, with vLLM's ``classifier_from_token`` in the config
+(``--hf-overrides``), a language model's own head read at those tokens (``runtime.classifier_head`` takes either
+from the checkpoint). Qwen3-Reranker answers "yes" or "no", and its score is sigmoid(logit yes - logit no)
+(``two_way``), which is the softmax of the pair. The activation (``PoolingModel.activation``) is the front end's
+to apply.
 """
 
 from __future__ import annotations
