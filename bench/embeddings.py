@@ -27,7 +27,6 @@ import json
 import random
 import shutil
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import _prompt_ids, format_table
-from bench.peers import SERVED, alternating_rounds, radixserve, vllm
+from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, vllm
 from bench.real_models import layer_tensors
 from radixserve.runtime import envs
 from radixserve.runtime.model_source import resolve_model
@@ -139,28 +138,21 @@ class Result:
 
 async def run(url: str, wl: Workload) -> Result:
     res = Result()
-    calls = list(enumerate(wl.calls))
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def worker() -> None:
-            while calls:
-                k, inputs = calls.pop(0)
-                start = time.perf_counter()
-                body = {"model": SERVED, "input": [list(x) for x in inputs], "encoding_format": "float"}
-                resp = await client.post(url + "/v1/embeddings", json=body)
-                res.latencies.append(time.perf_counter() - start)
-                if resp.status_code != 200:
-                    res.errors.append(resp.text[:200])
-                    continue
-                data = resp.json()
-                details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
-                res.cached_tokens += details.get("cached_tokens") or 0
-                if k == 0:
-                    res.vectors = [d["embedding"] for d in sorted(data["data"], key=lambda d: d["index"])]
+        async def send(k: int, inputs: tuple[tuple[int, ...], ...]) -> None:
+            body = {"model": SERVED, "input": [list(x) for x in inputs], "encoding_format": "float"}
+            resp = await client.post(url + "/v1/embeddings", json=body)
+            if resp.status_code != 200:
+                res.errors.append(resp.text[:200])
+                return
+            data = resp.json()
+            details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+            res.cached_tokens += details.get("cached_tokens") or 0
+            if k == 0:
+                res.vectors = [d["embedding"] for d in sorted(data["data"], key=lambda d: d["index"])]
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(wl.clients)))
-        res.wall_s = time.perf_counter() - start
+        res.wall_s, res.latencies = await closed_loop(wl.calls, wl.clients, send)
     return res
 
 

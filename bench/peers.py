@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
 SERVED = "bench-model"
 T = TypeVar("T")
+C = TypeVar("C")
 
 
 @contextmanager
@@ -98,6 +99,26 @@ def alternating_rounds(
                 print(f"{engine} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         out.append(results)
     return out
+
+
+async def closed_loop(
+    calls: Sequence[C], clients: int, send: Callable[[int, C], Awaitable[None]]
+) -> tuple[float, list[float]]:
+    """``send(k, calls[k])`` for every call from ``clients`` concurrent clients, each taking the next call once its
+    last one is answered; the wall time and each call's latency, in seconds."""
+    todo = list(enumerate(calls))
+    latencies: list[float] = []
+
+    async def client() -> None:
+        while todo:
+            k, call = todo.pop(0)
+            start = time.perf_counter()
+            await send(k, call)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return time.perf_counter() - start, latencies
 
 
 def _warm_up(url: str, tokenizer: object, model: str = SERVED) -> None:

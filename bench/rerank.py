@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ import httpx
 
 from bench.common import _prompt_ids, format_table
 from bench.embeddings import write_model as write_embedding_model
-from bench.peers import SERVED, alternating_rounds, radixserve, vllm
+from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, vllm
 from radixserve.runtime import envs
 from radixserve.runtime.weights import load_tokenizer
 
@@ -108,29 +107,23 @@ class Result:
 
 async def run(url: str, wl: Workload) -> Result:
     res = Result()
-    calls = list(enumerate(wl.calls))
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def worker() -> None:
-            while calls:
-                k, (query, docs) = calls.pop(0)
-                start = time.perf_counter()
-                resp = await client.post(url + "/rerank", json={"model": SERVED, "query": query, "documents": docs})
-                res.latencies.append(time.perf_counter() - start)
-                if resp.status_code != 200:
-                    res.errors.append(resp.text[:200])
-                    continue
-                data = resp.json()
-                usage = data.get("usage") or {}
-                res.prompt_tokens += usage.get("total_tokens") or 0
-                res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                if k == 0:
-                    by_index = {r["index"]: r["relevance_score"] for r in data["results"]}
-                    res.scores = [by_index[i] for i in range(len(docs))]
+        async def send(k: int, call: tuple[str, tuple[str, ...]]) -> None:
+            query, docs = call
+            resp = await client.post(url + "/rerank", json={"model": SERVED, "query": query, "documents": docs})
+            if resp.status_code != 200:
+                res.errors.append(resp.text[:200])
+                return
+            data = resp.json()
+            usage = data.get("usage") or {}
+            res.prompt_tokens += usage.get("total_tokens") or 0
+            res.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if k == 0:
+                by_index = {r["index"]: r["relevance_score"] for r in data["results"]}
+                res.scores = [by_index[i] for i in range(len(docs))]
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(wl.clients)))
-        res.wall_s = time.perf_counter() - start
+        res.wall_s, res.latencies = await closed_loop(wl.calls, wl.clients, send)
     return res
 
 

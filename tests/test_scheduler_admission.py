@@ -181,16 +181,23 @@ def test_a_request_retracted_for_an_urgent_one_does_not_take_its_place() -> None
     assert [r.num_retractions for r in sched.waiting] == [1]
 
 
-def test_priority_preemption_counts_shared_prefixes_once() -> None:
-    """Prefixes held in the tree for several requests: the urgent request's cached head needs no new KV, so
-    nothing is retracted for it; and retracting two requests that share a head frees that head only if no request
-    staying holds it, so none is retracted when that would not make the room."""
+def _head_and_low() -> tuple[list[int], Scheduler]:
+    """A 500-slot pool holding a 200-token head (priority 0, cached in the tree) and a 199-token request of
+    priority 1: 99 slots free. Returns the head's tokens and the scheduler."""
     system = _prompt(0, 200)
     sched = _scheduler(500, schedule_policy="priority", chunked_prefill_size=2048)
     sched.add(_req("head", system, 0, max_new=1))
     sched.add(_req("low", _prompt(3, 199), 1, max_new=1))
     for _ in range(2):
         _step(sched)
+    return system, sched
+
+
+def test_priority_preemption_counts_shared_prefixes_once() -> None:
+    """Prefixes held in the tree for several requests: the urgent request's cached head needs no new KV, so
+    nothing is retracted for it; and retracting two requests that share a head frees that head only if no request
+    staying holds it, so none is retracted when that would not make the room."""
+    system, sched = _head_and_low()
     sched.add(_req("urgent", [*system, *_prompt(5, 20)], 0, max_new=1))  # 99 slots free: its 20 new tokens fit
     _step(sched)
     assert sched.num_retractions == 0 and {r.rid for r in sched.running} == {"head", "low", "urgent"}
@@ -212,12 +219,7 @@ def test_priority_preemption_counts_no_shared_prefix_for_an_embedding_that_pools
     holds does not make room for it, and the request of a worse priority is retracted."""
     from radixserve.runtime.pooling import Pooling
 
-    system = _prompt(0, 200)
-    sched = _scheduler(500, schedule_policy="priority", chunked_prefill_size=2048)
-    sched.add(_req("head", system, 0, max_new=1))
-    sched.add(_req("low", _prompt(3, 199), 1, max_new=1))
-    for _ in range(2):
-        _step(sched)
+    system, sched = _head_and_low()
     mean = SamplingParams(max_new_tokens=0, priority=0, pooling=Pooling("mean"))
     sched.add(Req("urgent", [*system, *_prompt(5, 20)], mean))  # 220 new slots; 99 free
     _step(sched)
