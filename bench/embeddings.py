@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import _prompt_ids, format_table
-from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, vllm
+from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, versus, vllm
 from bench.real_models import layer_tensors
 from radixserve.runtime import envs
 from radixserve.runtime.model_source import resolve_model
@@ -210,14 +210,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "radixserve" in args.engines and "vllm" in args.engines:
         ratio_rows = []
         for wl in wls:
-            pairs = [(r["radixserve"][wl.name], r["vllm"][wl.name]) for r in rounds if {"radixserve", "vllm"} <= set(r)]
-            if not pairs:
-                continue
-            speed = [v.wall_s / o.wall_s for o, v in pairs]
-            lat = [o.p(0.5) / v.p(0.5) for o, v in pairs if v.p(0.5) > 0]
-            ratio_rows.append([wl.name, statistics.median(speed), " ".join(f"{s:.2f}" for s in speed),
-                               statistics.median(lat) if lat else float("nan"),
-                               cosine(pairs[-1][0].vectors, pairs[-1][1].vectors)])  # fmt: skip
+            found = versus(rounds, wl.name)
+            if found is not None:
+                row, ours, theirs = found
+                ratio_rows.append([*row, cosine(ours.vectors, theirs.vectors)])
         print()
         print(format_table(["workload", "throughput x vllm", "each round", "p50 latency ours/theirs",
                             "min cosine ours vs vllm"], ratio_rows))  # fmt: skip

@@ -121,6 +121,22 @@ async def closed_loop(
     return time.perf_counter() - start, latencies
 
 
+def versus(
+    rounds: list[dict[str, dict[str, Any]]], workload: str, ours: str = "radixserve", peer: str = "vllm"
+) -> tuple[list[Any], Any, Any] | None:
+    """Over the rounds that ran both engines: ``[workload, median throughput ratio (ours over the peer's), each
+    round's, median call latency p50 ratio (ours / theirs)]``, and the last such round's two results (results
+    with ``wall_s`` and ``p(q)``); None where no round ran both."""
+    pairs = [(r[ours][workload], r[peer][workload]) for r in rounds if {ours, peer} <= set(r)]
+    if not pairs:
+        return None
+    speed = [v.wall_s / o.wall_s for o, v in pairs]
+    lat = [o.p(0.5) / v.p(0.5) for o, v in pairs if v.p(0.5) > 0]
+    row = [workload, statistics.median(speed), " ".join(f"{x:.2f}" for x in speed),
+           statistics.median(lat) if lat else float("nan")]  # fmt: skip
+    return row, pairs[-1][0], pairs[-1][1]
+
+
 def _warm_up(url: str, tokenizer: object, model: str = SERVED) -> None:
     asyncio.run(run(url, model, Workload("warm-up", (((1, 2, 3, 4),),), 8, 1), tokenizer))
 

@@ -35,7 +35,7 @@ import httpx
 
 from bench.common import _prompt_ids, format_table
 from bench.embeddings import write_model as write_embedding_model
-from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, vllm
+from bench.peers import SERVED, alternating_rounds, closed_loop, radixserve, versus, vllm
 from radixserve.runtime import envs
 from radixserve.runtime.weights import load_tokenizer
 
@@ -177,15 +177,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "radixserve" in args.engines and "vllm" in args.engines:
         ratio_rows = []
         for wl in wls:
-            pairs = [(r["radixserve"][wl.name], r["vllm"][wl.name]) for r in rounds if {"radixserve", "vllm"} <= set(r)]
-            if not pairs:
-                continue
-            speed = [v.wall_s / o.wall_s for o, v in pairs]
-            lat = [o.p(0.5) / v.p(0.5) for o, v in pairs if v.p(0.5) > 0]
-            ours, theirs = pairs[-1][0].scores, pairs[-1][1].scores
-            diff = max((abs(a - b) for a, b in zip(ours, theirs)), default=float("nan"))
-            ratio_rows.append([wl.name, statistics.median(speed), " ".join(f"{s:.2f}" for s in speed),
-                               statistics.median(lat) if lat else float("nan"), diff])  # fmt: skip
+            found = versus(rounds, wl.name)
+            if found is not None:
+                row, ours, theirs = found
+                diff = max((abs(a - b) for a, b in zip(ours.scores, theirs.scores)), default=float("nan"))
+                ratio_rows.append([*row, diff])
         print()
         print(format_table(["workload", "throughput x vllm", "each round", "p50 latency ours/theirs",
                             "max score difference"], ratio_rows))  # fmt: skip
