@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -283,11 +284,30 @@ async def metrics(state: StateDep) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-# HEAD too, as every GET route (server.http_compat.HeadAsGet)
+# HEAD too, as every GET route (server.http_compat.HeadAsGet). /ping (GET and POST) is the health check
+# SageMaker's containers answer, as vLLM's does.
 @health_router.get("/health", summary="200 once the model is loaded and the engine runs, 503 otherwise")
+@health_router.get("/ping", include_in_schema=False)
+@health_router.post("/ping", include_in_schema=False)
 async def health(state: StateDep) -> JSONResponse:
     status, why = state.status()
     body: dict[str, Any] = {"status": status}
     if why:
         body["message"] = why
     return JSONResponse(body, status_code=200 if status == "ready" else 503)
+
+
+@health_router.get("/version", summary="The server's version (vLLM's route)")
+async def version() -> dict[str, str]:
+    return {"version": _installed_version()}
+
+
+@functools.cache
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("radixserve")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -89,6 +90,9 @@ def test_health_models_openapi(http: httpx.Client, client: openai.OpenAI, engine
     assert http.get("/health").json() == {"status": "ready"}
     head = http.head("/health")  # load balancers that probe with HEAD
     assert head.status_code == 200 and head.content == b""
+    # SageMaker's health check (GET or POST) and vLLM's version route.
+    assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ready"}
+    assert http.get("/version").json()["version"] == importlib.metadata.version("radixserve")
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -324,7 +328,7 @@ def test_health_503_while_loading(tiny_model_dir: Path) -> None:
 
     app = create_app(factory, ServerConfig(), model=str(tiny_model_dir))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as http:
-        assert http.get("/health").status_code == 503
+        assert http.get("/health").status_code == 503 and http.post("/ping").status_code == 503
         assert_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
         release.set()
         deadline = time.monotonic() + 20
