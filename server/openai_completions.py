@@ -99,7 +99,8 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     choices = []
     for i, res in enumerate(results):
         ids, text = prompts[i // body.n]
-        choices.append(_choice(i, res, body, state, ids, text))
+        scored = results[i - i % body.n].prompt_logprobs  # (the prompt's first choice scored it for them all)
+        choices.append(_choice(i, res, body, state, ids, text, scored))
     return {
         "id": cid,
         "object": "text_completion",
@@ -121,7 +122,13 @@ def _usage(results: list[Result] | list[ReqOutput], n: int) -> dict[str, Any]:
 
 
 def _choice(
-    index: int, res: Result, body: CompletionRequest, state: ServerState, prompt_ids: list[int], prompt_text: str
+    index: int,
+    res: Result,
+    body: CompletionRequest,
+    state: ServerState,
+    prompt_ids: list[int],
+    prompt_text: str,
+    prompt_lps: list[Any] | None,
 ) -> dict[str, Any]:
     reason = finish_reason(res.finish_reason, res.error, res.error_code)
     text = prompt_text + res.text if body.echo else res.text
@@ -132,7 +139,7 @@ def _choice(
         lps: list[Any] = list(res.logprobs)
         if body.echo:
             tokens = prompt_ids + tokens
-            lps = prompt_entries(prompt_ids, res.prompt_logprobs) + lps
+            lps = prompt_entries(prompt_ids, prompt_lps) + lps
         logprobs = completion_logprobs(tokens, lps, state.token_names, shown=_shown(body), top_n=body.logprobs)
     choice = {
         "index": index,
@@ -144,7 +151,7 @@ def _choice(
     if body.prompt_logprobs is not None:  # vLLM's
         assert state.token_names is not None
         names = _shown(body) or state.token_names
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(res.prompt_logprobs, names, body.prompt_logprobs)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(prompt_lps, names, body.prompt_logprobs)
     return choice
 
 

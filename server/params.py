@@ -123,9 +123,10 @@ def openai_params(
     lora_name: str | None = None,
 ) -> list[SamplingParams]:
     """One ``SamplingParams`` per choice (``req.n`` of them); choice ``i`` gets seed ``seed + i``; every choice
-    carries ``constraint``. ``defaults`` (the model's generation config) fill the sampling parameters the request
-    did not send. ``tokenizer`` turns ``bad_words`` into token sequences. ``lora_name``: the adapter the request's
-    ``model`` names."""
+    carries ``constraint``; only the first scores the prompt (``prompt_logprobs``, echo with logprobs).
+    ``defaults`` (the model's generation config) fill the sampling parameters the request did not send.
+    ``tokenizer`` turns ``bad_words`` into token sequences. ``lora_name``: the adapter the request's ``model``
+    names."""
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
     if req.min_tokens > max_new_tokens:
@@ -159,7 +160,14 @@ def openai_params(
     if req.seed is not None and req.seed + req.n > 2**63:
         raise bad_request(f"seed must be below 2**63 - n, got {req.seed}", "seed")
     seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
-    return [dataclasses.replace(params, seed=s, stop=list(params.stop)) for s in seeds]
+    choices = [dataclasses.replace(params, seed=s, stop=list(params.stop)) for s in seeds]
+    if params.logprob_start_len == 0 and len(choices) > 1:
+        # The prompt is every choice's: the first scores it (every row's logits, so no cached prefix), the others
+        # take its KV from the cache and give their own answers' logprobs only; the routes read the prompt's from
+        # the first (vLLM computes them once per request too).
+        rest = {"logprob_start_len": -1, "top_logprobs_num": top_logprobs}
+        choices[1:] = [dataclasses.replace(c, **rest) for c in choices[1:]]
+    return choices
 
 
 def _allowed_token_ids(ids: list[int] | None) -> list[int]:

@@ -241,6 +241,17 @@ def test_prompt_logprobs_as_vllm_gives_them(server: ServerThread, engine: Engine
         assert sorted(v["rank"] for v in others)[:3] == [1, 2, 3] and len(entry) in (3, 4)
         assert own["decoded_token"] == engine.tokenizer.decode([token_id])
     assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # logprobs=1, not 3
+    # n choices: the first scores the prompt, the others take its KV from the cache, and all show its numbers.
+    before = engine.server_info()["cache_stats"]["cached_prompt_tokens"]
+    fresh = " ".join([prompt] * 4) + " and runs away"  # (not cached yet, and long enough to wait for)
+    many = {**body, "prompt": fresh, "n": 3, "temperature": 1.0, "seed": 5, "echo": True}
+    got = httpx.post(server.url + "/v1/completions", json=many, timeout=60).json()["choices"]
+    n_ids = len(engine.tokenizer.encode(fresh, add_special_tokens=False))
+    assert engine.server_info()["cache_stats"]["cached_prompt_tokens"] - before >= 2 * (n_ids - 1)
+    assert got[1]["prompt_logprobs"] == got[2]["prompt_logprobs"] == got[0]["prompt_logprobs"]
+    assert len(got[0]["prompt_logprobs"]) == n_ids and got[0]["prompt_logprobs"][0] is None
+    head = [c["logprobs"]["token_logprobs"][:n_ids] for c in got]
+    assert head[0] == head[1] == head[2] and head[0][0] is None
     chat = {"model": MODEL, "messages": USER, "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
             "prompt_logprobs": 2}  # fmt: skip
     resp = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
