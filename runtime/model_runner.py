@@ -227,7 +227,8 @@ class ModelRunner:
         """The rows whose final hidden states this step reads, and how many of each chunk's that is; None where
         that is all of them (a decode step) or the model computes every row. A chunk's last row is always read
         (sampling, the finiteness check, last-token pooling); every row of a chunk whose drafts are verified,
-        whose prompt is scored or whose embedding pools every token."""
+        whose prompt is scored or whose embedding is the mean of every token; the prompt's first row too for
+        first-token pooling (its chunk's rows are then that one and the last, in order)."""
         if not getattr(self.model, "trims_rows", False) or plan.num_decode == len(plan.chunks):
             return None
         rows: list[int] = []
@@ -236,10 +237,15 @@ class ModelRunner:
         for chunk in plan.chunks:
             n = chunk.num_tokens
             pooling = chunk.req.params.pooling
-            whole = chunk.draft or chunk.req.scoring_prompt or (pooling is not None and pooling.needs_whole_prompt)
-            width = n if whole else 1
-            rows.extend(range(offset + n - width, offset + n))
-            widths.append(width)
+            kind = pooling.kind if pooling is not None else None
+            if chunk.draft or chunk.req.scoring_prompt or kind == "mean":
+                kept = range(offset, offset + n)
+            elif kind == "cls" and chunk.start == 0 and n > 1:
+                kept = range(offset, offset + n, n - 1)  # (the first row and the last)
+            else:
+                kept = range(offset + n - 1, offset + n)
+            rows.extend(kept)
+            widths.append(len(kept))
             offset += n
         if len(rows) == offset:
             return None
