@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from radixserve.runtime.engine import Engine
 from radixserve.server import ServerConfig, create_app
 from radixserve.server.testing import ServerThread
-from tests.tiny_model import make_tiny_classifier, make_tiny_model
+from tests.tiny_model import make_tiny_classifier, make_tiny_model, write_tiny_gguf
 
 QUERY = "which tower was finished in 1889 for the world fair in the city of Paris"
 DOCS = ["The tower was finished in 1889.", "Bananas are yellow.", "Paris hosted the fair.", "1889 was a year."]
@@ -283,3 +283,29 @@ def test_an_engine_process_and_the_router_serve_a_classifier(
         assert got["data"][0]["probs"] == pytest.approx(want3, abs=1e-5)
     finally:
         proc.shutdown()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_a_gguf_language_model_serves_as_a_yes_no_reranker(tmp_path: Path, qtype: str) -> None:
+    """A reranker published as a GGUF of its language model (as Qwen3-Reranker's GGUFs are) serves with the same
+    overrides: the head's rows are read from the file's blocks (dequantized where they are blocks)."""
+    folder = make_tiny_model(tmp_path / "lm", tie=False, seed=4)
+    gguf = write_tiny_gguf(folder, tmp_path / f"lm.{qtype}.gguf", qtype=qtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    no, yes = "n", "y"
+    overrides = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": [no, yes],
+                 "method": "from_2_way_softmax"}  # fmt: skip
+    engine = _engine(gguf, hf_overrides=json.dumps(overrides))
+    try:
+        assert engine.pooling is not None and engine.pooling.labels == (yes,)
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # (the weights before the GGUF)
+        texts = [QUERY + doc for doc in DOCS[:2]]
+        for text, out in zip(texts, engine.embed(texts)):
+            with torch.no_grad():
+                logits = lm(torch.tensor([engine.tokenizer.encode(text)])).logits[0, -1]
+            want = (logits[tokenizer.convert_tokens_to_ids(yes)] - logits[tokenizer.convert_tokens_to_ids(no)]).item()
+            # F32 is the same weights; Q8_0 rounds every weight (and the block kernels their activations): the
+            # outputs here are ~0.1 and Q8_0 moved them by under 1e-3.
+            assert out.embedding == pytest.approx([want], abs=2e-5 if qtype == "F32" else 5e-3)
+    finally:
+        engine.shutdown()
