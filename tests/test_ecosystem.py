@@ -3,6 +3,7 @@ model's sampling defaults, open /metrics with --api-key, several served names, r
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -209,6 +210,9 @@ def test_the_key_protects_the_api_not_metrics_or_health(keyed: tuple[ServerThrea
         key = {"Authorization": "Bearer sesame"}
         assert http.get("/v1/models", headers=key).status_code == 200
         assert http.get("/health").status_code == 200
+        # SageMaker's health check (GET or POST) and vLLM's version route are open too.
+        assert http.get("/ping").json() == http.post("/ping").json() == {"status": "ready"}
+        assert http.get("/version").json()["version"] == importlib.metadata.version("radixserve")
         scrape = http.get("/metrics")
         assert scrape.status_code == 200
         names = {f.name for f in text_string_to_metric_families(scrape.text)}
