@@ -24,27 +24,12 @@ from fastapi import Request
 
 from radixserve.server.chat import RESERVED_TEMPLATE_KWARGS
 from radixserve.server.errors import APIError, bad_request
-from radixserve.server.openai_embeddings import embed, vector_of
+from radixserve.server.openai_embeddings import embed, served_pooling, vector_of
 from radixserve.server.state import ServerState
 from radixserve.server.tokens import encode
 
 # Attempts at fitting a pair by cutting its document (a cut can change how the text around it tokenizes).
 _FIT_TRIES = 4
-
-
-def classifier(engine: Any) -> Any:
-    """The served classifier (``PoolingModel`` with labels), or a 400 naming what this server serves instead."""
-    pooling = engine.pooling
-    if pooling is None or pooling.labels is None:
-        served = "generates text" if pooling is None else "serves embeddings"
-        raise APIError(
-            400,
-            f"this server {served}; classification needs a classifier (a *ForSequenceClassification model, or "
-            "classifier_from_token in --hf-overrides) served with --runner pooling",
-            param="model",
-            code="model_not_supported",
-        )
-    return pooling
 
 
 def _shorten(tokenizer: Any, text: str, limit: int) -> str:
@@ -130,7 +115,7 @@ async def cross_scores(
     """Each pair's score (one output, activated unless ``options.use_activation`` is false), the pairs' results
     and the name served."""
     engine = state.ready_engine()
-    pooling = classifier(engine)
+    pooling = served_pooling(engine, classifier=True)
     if len(pooling.labels) != 1:
         raise APIError(
             400,

@@ -123,20 +123,30 @@ async def embed_texts(
     return [vector_of(res) for res in results], results, lora or state.served_name
 
 
+def served_pooling(engine: Any, classifier: bool) -> Any:
+    """The served ``PoolingModel`` of the kind a route needs (a classifier's, or an embedding model's); else a 400
+    naming what this server serves."""
+    pooling = engine.pooling
+    if pooling is not None and (pooling.labels is not None) == classifier:
+        return pooling
+    if pooling is None:
+        served = "generates text"
+    else:
+        served = "serves embeddings" if pooling.labels is None else "serves a classifier (score, rerank, classify)"
+    need = "a classifier (a *ForSequenceClassification model, or classifier_from_token in --hf-overrides)"
+    raise APIError(
+        400,
+        f"this server {served}; this route needs {need if classifier else 'an embedding model'} served with "
+        "--runner pooling",
+        param="model",
+        code="model_not_supported",
+    )
+
+
 def _pooling(engine: Any, dimensions: int | None, normalize: bool | None) -> Pooling:
     """A request's pooling on this server: a 400 where it serves no embeddings, or cannot give that length."""
-    if engine.pooling is None or engine.pooling.labels is not None:
-        served = "generates text"
-        if engine.pooling is not None:
-            served = "serves a classifier (/v1/score, /v1/rerank, /classify)"
-        raise APIError(
-            400,
-            f"this server {served} and no embeddings; embeddings need an embedding model served with --runner pooling",
-            param="model",
-            code="model_not_supported",
-        )
     try:
-        return engine.pooling.request(dimensions, normalize)
+        return served_pooling(engine, classifier=False).request(dimensions, normalize)
     except ValueError as exc:
         raise bad_request(str(exc), "dimensions") from None
 

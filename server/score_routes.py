@@ -27,11 +27,19 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import AliasChoices, Field
 
-from radixserve.server.cross_encoder import classifier, cross_scores
+from radixserve.server.cross_encoder import cross_scores
 from radixserve.server.deps import StateDep, require_api_key
 from radixserve.server.errors import bad_request
 from radixserve.server.extra_fields import check_extra_fields
-from radixserve.server.openai_embeddings import MAX_INPUTS, embed, embed_texts, fit_prompts, pooling_inputs, vector_of
+from radixserve.server.openai_embeddings import (
+    MAX_INPUTS,
+    embed,
+    embed_texts,
+    fit_prompts,
+    pooling_inputs,
+    served_pooling,
+    vector_of,
+)
 from radixserve.server.protocol import PoolingInput, _NullIsDefault
 
 router = APIRouter(dependencies=[Depends(require_api_key)], tags=["Scores"])
@@ -209,7 +217,7 @@ async def rerank(body: RerankRequest, request: Request, state: StateDep):
 async def classify(body: ClassifyRequest, request: Request, state: StateDep):
     check_extra_fields(body, "/v1/classify")
     engine = state.ready_engine()
-    pooling = classifier(engine)
+    pooling = served_pooling(engine, classifier=True)
     lora = state.check_model(body.model)
     prompts = fit_prompts(await pooling_inputs(body, state), body.truncate_prompt_tokens, engine, "input")
     results = await embed(state, request, prompts, pooling.default, lora, body.priority, None)
